@@ -1,0 +1,35 @@
+# `make test` builds .venv from the project's own files and runs the whole suite.
+# `make demo` runs the main job with the bundled SmolLM2-135M-Instruct model.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pdserve tests
+	$(VENV)/bin/ruff format --check pdserve tests
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check pdserve tests
+	$(PY) -m pytest -q -ra
+
+demo: $(STAMP)
+	$(VENV)/bin/pdserve generate --max-tokens 24 "The capital of France is"
+
+bench: $(STAMP)
+	$(VENV)/bin/pdserve bench engine
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,95 @@
+"""Paged-KV-cache kernels behind one dispatcher.
+
+Every op has a torch reference (``reference.py``, what CPU runs) and a Triton kernel
+(``triton_ops.py``, what CUDA runs). The runner only calls the functions below, which pick the
+implementation from the tensors' device. ``PDSERVE_KERNELS=triton`` forces Triton (used with
+``TRITON_INTERPRET=1`` to run the Triton path on CPU in tests); ``PDSERVE_KERNELS=torch``
+forces the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from pdserve.kernels import reference
+
+_BACKEND_ENV = "PDSERVE_KERNELS"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when this tensor's op should run the Triton kernel."""
+    forced = os.environ.get(_BACKEND_ENV, "").lower()
+    if forced == "triton":
+        return True
+    if forced == "torch":
+        return False
+    return tensor.is_cuda
+
+
+def _triton() -> ModuleType:
+    from pdserve.kernels import triton_ops  # imported lazily: triton is optional on CPU
+
+    return triton_ops
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    impl = _triton().reshape_and_cache if use_triton(kv_cache_layer) else reference.reshape_and_cache_ref
+    impl(key, value, kv_cache_layer, slot_mapping)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    impl = (
+        _triton().paged_attention_decode
+        if use_triton(kv_cache_layer)
+        else reference.paged_attention_decode_ref
+    )
+    return impl(query, kv_cache_layer, block_tables, seq_lens, scale)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    impl = (
+        _triton().paged_attention_prefill
+        if use_triton(kv_cache_layer)
+        else reference.paged_attention_prefill_ref
+    )
+    return impl(query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale)
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    impl = _triton().gather_blocks if use_triton(kv_cache) else reference.gather_blocks_ref
+    return impl(kv_cache, block_ids, out)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    impl = _triton().scatter_blocks if use_triton(kv_cache) else reference.scatter_blocks_ref
+    impl(kv_cache, block_ids, src)
+
+
+__all__ = [
+    "gather_blocks",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "reshape_and_cache",
+    "scatter_blocks",
+    "use_triton",
+]
