@@ -1,0 +1,81 @@
+"""The ``pdserve`` command: one subcommand per job; heavy imports happen inside each."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM
+    from pdserve.engine.request import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    try:
+        start = time.perf_counter()
+        completion = llm.generate([prompt], params)[0]
+        elapsed = time.perf_counter() - start
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.prompt}{completion.text}" if not args.chat else completion.text)
+    n = len(completion.token_ids)
+    print(
+        f"[{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tokens/s, "
+        f"TTFT {completion.metrics['ttft_s'] * 1000:.0f} ms, finish_reason={completion.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(f"pdserve.bench.{args.what}")
+    return int(module.main(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion with the colocated engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-model-len", type=int, default=2048)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels)")
+    bench.add_argument("what", choices=["engine", "transfer", "kernels"])
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        return _bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

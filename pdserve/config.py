@@ -1,0 +1,126 @@
+"""Engine configuration, validated up front like vLLM's config classes.
+
+Every invalid value or combination raises ``ValueError`` naming the fields involved, so a bad
+command line fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_ROLES = ("producer", "consumer", "both")
+KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+def _require_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler batches work (vLLM v1's ``SchedulerConfig`` subset)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # A prefill longer than this is chunked to this many tokens per step (0: no limit), so one
+    # long prompt cannot starve the running decodes.
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    # What the scheduler does when a remote KV load fails: recompute the prompt locally, or
+    # finish the request with FINISHED_ERROR.
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with enable_chunked_prefill=False: "
+                "the longest prompt could never be scheduled. Raise max_num_batched_tokens, "
+                "lower max_model_len or enable chunked prefill."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs}): every running sequence needs "
+                "at least one token per step."
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}"
+            )
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must not "
+                f"exceed max_model_len ({self.max_model_len})"
+            )
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive(block_size=self.block_size, num_blocks=self.num_blocks)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to load and in what dtype (``path=None``: the bundled SmolLM2-135M)."""
+
+    path: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+
+@dataclass
+class KVTransferConfig:
+    """How an engine exchanges KV blocks with its peers (the P/D connector's settings)."""
+
+    role: str = "both"
+    transport: str = "auto"
+    engine_id: str = ""
+    host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: pick a free port at start-up
+    # Prefill holds finished requests' blocks this long unless decode renews or releases them.
+    lease_ms: int = 30_000
+    transfer_timeout_s: float = 10.0
+    cluster_token: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"role must be one of {KV_ROLES}, got {self.role!r}")
+        if self.transport not in KV_TRANSPORTS:
+            raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {self.transport!r}")
+        _require_positive(lease_ms=self.lease_ms)
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s!r}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port must be in [0, 65535], got {self.side_channel_port}")

@@ -1,0 +1,298 @@
+"""NIXL: decode issues one-sided READs of prefill's registered host memory (UCX backend).
+
+Each engine registers its whole KV cache with its NIXL agent once. ``local_metadata`` carries
+the agent's metadata blob and the cache's base address; a reader loads the blob
+(``add_remote_agent``) and then, per read, builds one descriptor per coalesced block run on each
+side and posts ``initialize_xfer("READ", local, remote, agent, notif)`` + ``transfer``.
+Prefill's threads take no part in moving the bytes; NIXL delivers ``notif`` (the transfer id)
+to prefill once the read is complete, which ``poll_served`` reports.
+
+Threading: a NIXL agent built without its progress thread is not thread-safe, and on this
+backend ``transfer`` performs a CMA read of the whole request before returning (the GIL is
+released meanwhile): ~0.1 ms per block. So one driver thread owns the agent and runs every
+call on it; the engine thread only queues commands. When a producer-side agent is idle, the
+driver polls for notifications every ``notif_poll_s`` (NIXL offers no fd to sleep on).
+
+Backend settings: ``ucx_error_handling_mode=none``, without which UCX will not use shared
+memory / CMA between processes; a dead peer is then caught by our per-read deadline or by
+NIXL's ``NIXL_ERR_REMOTE_DISCONNECT`` when the next read is posted. No ``UCX_*`` environment
+variable is needed. The agent's own progress and listener threads stay off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pdserve.connector.transports.base import KVTransport, ReadJob, RemotePeer
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "UCX"
+DEFAULT_BACKEND_PARAMS = {"ucx_error_handling_mode": "none"}
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+    return nixl_agent, nixl_agent_config
+
+
+def _new_agent(name: str, backend_params: dict[str, str]) -> Any:
+    nixl_agent, nixl_agent_config = _import_nixl()
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+    agent = nixl_agent(name, config)
+    if BACKEND not in agent.get_plugin_list():
+        raise RuntimeError(f"NIXL has no {BACKEND} plugin (found {agent.get_plugin_list()})")
+    agent.create_backend(BACKEND, backend_params)
+    return agent
+
+
+def probe_nixl() -> str | None:
+    """None if nixl imports and an agent with the UCX backend comes up here."""
+    _new_agent(f"pdserve-probe-{uuid.uuid4().hex[:8]}", dict(DEFAULT_BACKEND_PARAMS))
+    return None
+
+
+@dataclass
+class _Remote:
+    """A peer agent loaded into ours, and where its cache lives in its address space."""
+
+    agent_name: str
+    base_address: int
+    device_id: int
+
+
+@dataclass
+class _Xfer:
+    """A posted READ that has not completed yet."""
+
+    job: ReadJob
+    handle: Any
+
+
+class NixlTransport(KVTransport):
+    """KV block reads as NIXL one-sided READs; see the module docstring."""
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        kv_cache: Any,
+        *,
+        backend_params: dict[str, str] | None = None,
+        notif_poll_s: float = 0.001,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(kv_cache, **kwargs)
+        # Unique per start, so a restarted engine with the same engine id is a new agent.
+        self.agent_name = f"{self.engine_id}/{uuid.uuid4().hex[:8]}"
+        self._agent = _new_agent(self.agent_name, {**DEFAULT_BACKEND_PARAMS, **(backend_params or {})})
+        self._registration = self._agent.register_memory(kv_cache)
+        self._agent_metadata = self._agent.get_agent_metadata()
+        self._base_address = kv_cache.data_ptr()
+        self._notif_poll_s = notif_poll_s
+        self._driver_cond = threading.Condition()  # guards _commands
+        self._commands: deque[tuple[Any, ...]] = deque()  # from the engine thread to the driver
+        # Driver-thread state.
+        self._agents: dict[str, _Remote] = {}  # {engine_id: remote agent loaded into ours}
+        self._xfers: list[_Xfer] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pdserve-nixl-driver", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine-thread side
+
+    def _transport_metadata(self) -> dict[str, Any]:
+        return {
+            "agent_name": self.agent_name,
+            "agent_metadata": self._agent_metadata,
+            "base_address": self._base_address,
+            "device_id": 0,
+        }
+
+    def _add_remote(self, peer: RemotePeer) -> None:
+        meta = peer.metadata
+        if not isinstance(meta.get("agent_metadata"), bytes) or not isinstance(meta.get("base_address"), int):
+            raise ValueError(
+                f"peer {peer.engine_id} does not serve nixl reads (no agent metadata in its metadata)"
+            )
+        self._command(
+            "add", peer.engine_id, meta["agent_metadata"], meta["base_address"], int(meta.get("device_id", 0))
+        )
+
+    def _remove_remote(self, engine_id: str) -> None:
+        self._command("remove", engine_id)
+
+    def _start_read(self, job: ReadJob) -> None:
+        if not self._thread.is_alive():
+            self._finish(job, "nixl driver thread is not running")
+            return
+        self._command("read", job)
+
+    def _close(self) -> None:
+        self._command("stop")
+        self._thread.join(timeout=30.0)
+        if self._thread.is_alive():  # pragma: no cover
+            logger.error("nixl driver thread did not stop")
+
+    def _command(self, *command: Any) -> None:
+        with self._driver_cond:
+            self._commands.append(command)
+            self._driver_cond.notify()
+
+    # ------------------------------------------------------------------ driver thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                with self._driver_cond:
+                    if not self._commands:
+                        self._driver_cond.wait(self._idle_wait())
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    self._run_command(command)
+                self._check_xfers()
+                if self.role.serves:
+                    self._take_notifs()
+        except Exception:
+            logger.exception("nixl driver thread crashed")
+        finally:
+            self._shutdown()
+
+    def _idle_wait(self) -> float | None:
+        if self._xfers:
+            return 0.0001  # a READ still in progress: keep checking it (this also makes progress)
+        return self._notif_poll_s if self.role.serves else None
+
+    def _run_command(self, command: tuple[Any, ...]) -> None:
+        kind, *args = command
+        if kind == "read":
+            job = args[0]
+            try:
+                self._post(job)
+            except Exception as exc:  # nixl raises its own error types (e.g. remote disconnect)
+                self._finish(job, f"{type(exc).__name__}: {exc}")
+        elif kind == "add":
+            engine_id, agent_metadata, base_address, device_id = args
+            try:
+                self._forget(engine_id)
+                name = self._agent.add_remote_agent(agent_metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                self._agents[engine_id] = _Remote(name, base_address, device_id)
+            except Exception:
+                logger.exception("nixl: could not load the agent of %s", engine_id)
+        elif kind == "remove":
+            self._forget(args[0])
+        elif kind == "stop":
+            self._stopping = True
+
+    def _post(self, job: ReadJob) -> None:
+        remote = self._agents.get(job.engine_id)
+        if remote is None:
+            self._finish(job, f"no NIXL agent loaded for {job.engine_id}")
+            return
+        bpb = self.bytes_per_block
+        local = np.array(
+            [(self._base_address + r.local_start * bpb, r.count * bpb, 0) for r in job.runs], dtype=np.uint64
+        )
+        far = np.array(
+            [(remote.base_address + r.remote_start * bpb, r.count * bpb, remote.device_id) for r in job.runs],
+            dtype=np.uint64,
+        )
+        agent = self._agent
+        notif = msgpack.packb([job.transfer_id, self.engine_id])
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs(far, "DRAM"),
+            remote.agent_name,
+            notif,
+        )
+        state = agent.transfer(handle)
+        if state == "PROC":
+            self._xfers.append(_Xfer(job, handle))
+            return
+        self._release(handle)
+        self._finish(job, None if state == "DONE" else f"NIXL transfer state {state}")
+
+    def _check_xfers(self) -> None:
+        now, still = time.perf_counter(), []
+        for xfer in self._xfers:
+            try:
+                state = self._agent.check_xfer_state(xfer.handle)
+            except Exception as exc:
+                state = f"{type(exc).__name__}: {exc}"
+            if state == "PROC" and xfer.job.deadline > now:
+                still.append(xfer)
+                continue
+            # Releasing a handle still in progress asks NIXL to cancel it first.
+            cancelled = self._release(xfer.handle)
+            if state == "DONE":
+                self._finish(xfer.job, None)
+            elif state == "PROC":
+                note = "" if cancelled else " (NIXL could not cancel it)"
+                self._finish(xfer.job, f"timed out after {now - xfer.job.started:.3g}s{note}")
+            else:
+                self._finish(xfer.job, f"NIXL transfer state {state}")
+        self._xfers = still
+
+    def _release(self, handle: Any) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception as exc:
+            logger.warning("nixl: could not release a transfer handle: %s", exc)
+            return False
+
+    def _take_notifs(self) -> None:
+        for agent_name, messages in self._agent.get_new_notifs().items():
+            for message in messages:
+                try:
+                    transfer_id, reader = msgpack.unpackb(message, raw=False)
+                except Exception:
+                    logger.warning("nixl: ignored a malformed notification from %s", agent_name)
+                    continue
+                self._report_served(str(transfer_id), str(reader))
+
+    def _forget(self, engine_id: str) -> None:
+        remote = self._agents.pop(engine_id, None)
+        if remote is None:
+            return
+        for xfer in [x for x in self._xfers if x.job.engine_id == engine_id]:
+            self._release(xfer.handle)
+            self._finish(xfer.job, "peer removed")
+        self._xfers = [x for x in self._xfers if x.job.engine_id != engine_id]
+        try:
+            self._agent.remove_remote_agent(remote.agent_name)
+        except Exception as exc:
+            logger.debug("nixl: removing agent %s: %s", remote.agent_name, exc)
+
+    def _shutdown(self) -> None:
+        for xfer in self._xfers:
+            self._release(xfer.handle)
+            self._finish(xfer.job, "transport closed")
+        self._xfers = []
+        with self._driver_cond:
+            leftovers = [c[1] for c in self._commands if c[0] == "read"]
+            self._commands.clear()
+        for job in leftovers:
+            self._finish(job, "transport closed")
+        for engine_id in list(self._agents):
+            self._forget(engine_id)
+        try:
+            self._agent.deregister_memory(self._registration)
+        except Exception as exc:
+            logger.debug("nixl: deregister: %s", exc)

@@ -1,0 +1,173 @@
+"""EngineCore: the busy loop that owns a scheduler and a runner (schedule -> execute -> update).
+
+Both engine roles run this same loop; only the connector differs. In a server the loop runs in
+its own process and blocks on its input channel when there is nothing to do, so an idle engine
+uses no CPU; ``pdserve.LLM`` drives ``step()`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.connector.base import KVConnectorBase
+from pdserve.engine.model.loader import LoadedModel
+from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
+from pdserve.engine.request import Request, RequestStatus, SamplingParams, validate_prompt
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# While requests wait on remote KV (or blocks are held for a remote reader) there is no model
+# work, but the connector must still be polled: this is how often, instead of spinning.
+CONNECTOR_POLL_INTERVAL_S = 0.0005
+# With nothing but held blocks (leases) outstanding, how often the connector is polled.
+HELD_BLOCKS_POLL_INTERVAL_S = 0.02
+# An idle core wakes this often to check its stop flag; otherwise it sleeps on its input.
+IDLE_WAKEUP_S = 0.5
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated request as it crosses into the engine core (from the front or the LLM)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        connector: KVConnectorBase | None = None,
+        kv_cache_dtype: str = "float32",
+        log_stats: bool = True,
+    ) -> None:
+        self.loaded = loaded
+        self.vocab_size = loaded.arch.vocab_size
+        self.eos_token_id = loaded.tokenizer.eos_token_id
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_spec = loaded.arch.kv_cache_spec(cache_config.block_size, kv_cache_dtype)
+        self.runner = ModelRunner(loaded.model, self.kv_cache_spec, cache_config.num_blocks, connector)
+        self.scheduler = Scheduler(scheduler_config, cache_config, connector, log_stats=log_stats)
+        self.connector = connector
+        self.last_step_num_tokens = 0
+
+    # ------------------------------------------------------------------ inputs
+
+    def validate(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError (naming the field) before anything is queued."""
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        validate_prompt(request.prompt_token_ids, self.scheduler_config.max_model_len, self.vocab_size)
+        request.sampling_params.validate(self.vocab_size)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate(request)
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=request.sampling_params,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                kv_transfer_params=request.kv_transfer_params,
+                eos_token_id=self.eos_token_id,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Abort: free (or release) every block the requests hold; an output per live request."""
+        live = [rid for rid in request_ids if rid in self.scheduler.requests]
+        unfinished = [rid for rid in live if not self.scheduler.requests[rid].is_finished()]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in unfinished]
+
+    # ------------------------------------------------------------------ the loop
+
+    def has_work(self) -> bool:
+        """Model work to do, or connector state (loads, held blocks) that needs polling."""
+        scheduler = self.scheduler
+        return scheduler.has_requests() or bool(scheduler.held_req_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        runner_output = self.runner.execute_model(scheduler_output)
+        per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return [output for outs in per_client.values() for output in outs.outputs]
+
+    def stats(self) -> SchedulerStats:
+        scheduler = self.scheduler
+        stats = scheduler.make_stats() if scheduler.log_stats else None
+        if stats is None:
+            stats = SchedulerStats(
+                num_running_reqs=len(scheduler.running),
+                num_waiting_reqs=len(scheduler.waiting),
+                num_held_blocks=scheduler.num_held_blocks,
+                kv_cache_usage=scheduler.kv_cache_manager.usage,
+            )
+        return stats
+
+    def run_busy_loop(
+        self,
+        receive: Callable[[float | None], list[Any]],
+        emit: Callable[[list[EngineCoreOutput]], None],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """Serve until ``should_stop()``: block in ``receive`` when idle, step while there is work.
+
+        ``receive(timeout)`` returns the inputs that arrived (waiting up to ``timeout`` seconds,
+        forever for None): ``EngineCoreRequest`` and ``AbortRequests``. Invalid requests are
+        answered with an ``error`` output and never reach the scheduler.
+        """
+        while not should_stop():
+            if self.scheduler.has_requests():
+                timeout = 0.0
+            elif self.has_work():
+                timeout = HELD_BLOCKS_POLL_INTERVAL_S  # only leases to watch
+            else:
+                timeout = IDLE_WAKEUP_S  # idle: sleep on the input channel
+            for item in receive(timeout):
+                self._handle_input(item, emit)
+            if not self.has_work():
+                continue
+            outputs = self.step()
+            if outputs:
+                emit(outputs)
+            if self.last_step_num_tokens == 0 and self.scheduler.has_requests():
+                time.sleep(CONNECTOR_POLL_INTERVAL_S)  # only transfers in flight: don't spin
+
+    def _handle_input(self, item: Any, emit: Callable[[list[EngineCoreOutput]], None]) -> None:
+        if isinstance(item, AbortRequests):
+            outputs = self.abort_requests(item.request_ids)
+            if outputs:
+                emit(outputs)
+            return
+        try:
+            self.add_request(item)
+        except ValueError as exc:
+            logger.info("rejected request %s: %s", item.request_id, exc)
+            emit([EngineCoreOutput(request_id=item.request_id, new_token_ids=[], finish_reason="error", stop_reason=str(exc))])
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()

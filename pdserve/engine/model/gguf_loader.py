@@ -1,0 +1,163 @@
+"""Read a llama.cpp GGUF file into a ``ModelArchConfig`` and a dense state dict.
+
+Weights are dequantised with the ``gguf`` package (the same routine transformers uses), so a
+Q4_1 file gives exactly the float32 values transformers loads from it. Two things llama.cpp's
+converter does must be undone:
+
+* GGUF lists tensor dims innermost-first (``[in, out]``); ``GGUFReader`` already hands out
+  numpy-ordered arrays (``[out, in]``), and ``dequantize`` keeps that order, so no transpose.
+* For ``llama`` files, ``convert_hf_to_gguf.py`` permutes the rows of q/k projections from HF's
+  "rotate_half" RoPE layout to GGML's interleaved one; ``unpermute_qk`` reverses that (Qwen2
+  files are not permuted).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import gguf
+import numpy as np
+import torch
+
+from pdserve.engine.kv_layout import parse_dtype
+from pdserve.engine.model.config import ModelArchConfig
+from pdserve.engine.model.llama import hf_to_model_state_dict
+
+logger = logging.getLogger(__name__)
+
+# Architectures this loader reads, and whether llama.cpp permuted their q/k rows.
+_PERMUTED_QK = {"llama": True, "qwen2": False}
+
+# GGUF leaf name -> HF parameter name (``{i}`` is the layer index).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """Parse a GGUF header (about 3 s for a 49k-token vocabulary; share it between loaders)."""
+    return gguf.GGUFReader(path)
+
+
+def field(reader: gguf.GGUFReader, key: str, default=None):
+    """A metadata value as a Python object (str, int, float, list), or ``default``."""
+    item = reader.fields.get(key)
+    return default if item is None else item.contents()
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute(w, n_head, n_head_kv)`` on q/k rows (weights or biases).
+
+    llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)``; this is its
+    inverse, and the same as transformers' ``reverse_permute_weights`` (k uses the KV head count).
+    """
+    rest = weight.shape[1:]
+    half_dim = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half_dim, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+def read_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
+    """Architecture numbers from ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
+    arch = field(reader, "general.architecture")
+    if arch not in _PERMUTED_QK:
+        raise ValueError(f"GGUF architecture {arch!r} not supported (expected one of {sorted(_PERMUTED_QK)})")
+    num_heads = field(reader, f"{arch}.attention.head_count")
+    hidden = field(reader, f"{arch}.embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab_size = field(reader, f"{arch}.vocab_size")
+    if vocab_size is None:
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelArchConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=field(reader, f"{arch}.feed_forward_length"),
+        num_layers=field(reader, f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=field(reader, f"{arch}.attention.key_length")
+        or field(reader, f"{arch}.rope.dimension_count")
+        or hidden // num_heads,
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=field(reader, f"{arch}.context_length", 4096),
+        # llama.cpp drops output.weight when it is the embedding (as transformers concludes too).
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
+        rope_scaling=_rope_scaling(reader, arch),
+    )
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        # Llama 3.1+ files bake the llama3 scaling into per-frequency divisors.
+        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    raise NotImplementedError(f"GGUF rope scaling type {kind!r}")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.{i}.{leaf}.{weight|bias}
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def load_gguf_hf_state_dict(
+    path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Dequantised weights under HF Llama names (unfused), q/k un-permuted."""
+    reader = reader if reader is not None else open_gguf(path)
+    torch_dtype = parse_dtype(dtype)
+    config = read_arch_config(reader)
+    permuted = _PERMUTED_QK[field(reader, "general.architecture")]
+    wanted = [(t, name) for t in reader.tensors if (name := _hf_name(t.name)) is not None]
+    skipped = sorted(t.name for t in reader.tensors if _hf_name(t.name) is None)
+    if skipped:
+        logger.debug("GGUF tensors without a model parameter (ignored): %s", skipped)
+
+    def convert(item: tuple[gguf.ReaderTensor, str]) -> tuple[str, torch.Tensor]:
+        tensor, name = item
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if permuted and ".q_proj." in name:
+            weight = unpermute_qk(weight, config.num_heads)
+        elif permuted and ".k_proj." in name:
+            weight = unpermute_qk(weight, config.num_kv_heads)
+        # np.array copies out of the read-only memmap; torch then owns the memory.
+        return name, torch.from_numpy(np.array(weight, dtype=np.float32)).to(torch_dtype)
+
+    # numpy releases the GIL in the dequantisation kernels, so two threads nearly halve the time.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, torch.get_num_threads()))) as pool:
+        state = dict(pool.map(convert, wanted))
+    return config, state
+
+
+def load_gguf(
+    path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """``(config, state_dict)`` ready for ``LlamaForCausalLM.load_state_dict``."""
+    config, hf_state = load_gguf_hf_state_dict(path, dtype, reader)
+    return config, hf_to_model_state_dict(hf_state, config)

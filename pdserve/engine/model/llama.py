@@ -1,0 +1,271 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) over pdserve's paged KV cache.
+
+Numerically it follows Hugging Face's ``LlamaForCausalLM`` (RMSNorm in float32, "rotate_half"
+RoPE, GQA, SwiGLU); structurally it follows vLLM: tokens of all sequences are flattened into one
+``[num_tokens, hidden]`` batch, q/k/v and gate/up are each one fused matmul (on CPU, decode is
+bound by the number of small ops and matmuls, not by FLOPs), and attention reads and writes the
+paged cache through ``paged_attention``.
+
+Parameter names are HF's except for the two fused projections (``self_attn.qkv_proj``,
+``mlp.gate_up_proj``); ``hf_to_model_state_dict`` / ``model_to_hf_state_dict`` convert.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.model.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.config import ModelArchConfig
+
+
+def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in float32, computed exactly as transformers does."""
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponent)
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs.weight (Llama 3.1+ GGUF files)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise NotImplementedError(
+        f"rope_scaling type {rope_type!r} (supported: default, linear, llama3, freq_factors)"
+    )
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalise in float32, round to the input dtype, then scale."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op, bit-identical to the float32 formula below.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Rounding before the scale is what HF does in half precision; keep it to match greedy output.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x: [T, heads, D]`` (a new, contiguous tensor).
+
+    ``sin_signed`` is ``cat(-sin, sin)``, so ``rotate_half(x) * sin == cat(x2, x1) * sin_signed``
+    (negation is exact, so this equals HF's result bit for bit before the fused add).
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin_signed)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin_signed: torch.Tensor,  # [T, 1, D]
+        kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        # RoPE on q and k heads at once; q/k/v go to the kernels as strided views (both the torch
+        # references and the Triton kernels take strides), saving a copy each.
+        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin_signed)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        size = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :size]) * gate_up[:, size:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin_signed, kv_cache_layer, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: ``forward`` gives final-normed hidden states, ``compute_logits`` the logits.
+
+    Logits are a separate call so the runner projects only the rows it samples from (the last
+    token of each prefill chunk, every decode token): the vocab matmul is the largest one.
+    """
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # cos / cat(-sin, sin) per position, computed once on the CPU (explicitly, so a model
+        # built under torch.device("meta") for fast loading still gets real tables).
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("rope_sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = self.model.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
+        sin_signed = self.rope_sin_signed[positions].to(hidden.dtype).unsqueeze(1)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin_signed, kv_cache[:, i], attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+# HF parameter suffixes fused into one of ours: {fused suffix: HF suffixes in concatenation order}
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def hf_to_model_state_dict(
+    hf_state: dict[str, torch.Tensor], config: ModelArchConfig
+) -> dict[str, torch.Tensor]:
+    """HF Llama/Qwen2 parameter names -> this module's (q/k/v and gate/up concatenated).
+
+    Drops what this model has no parameter for: ``lm_head.weight`` of tied checkpoints (some
+    store a copy) and old ``rotary_emb.inv_freq`` buffers.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_state.items():
+        if "rotary_emb.inv_freq" in name or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        out[name] = tensor
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{part}.{kind}" for part in parts]
+                present = [n in out for n in names]
+                if not any(present):
+                    continue
+                if not all(present):
+                    raise KeyError(f"checkpoint has only some of {names}")
+                out[f"{prefix}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
+
+
+def model_to_hf_state_dict(
+    state: dict[str, torch.Tensor], config: ModelArchConfig
+) -> dict[str, torch.Tensor]:
+    """The inverse of ``hf_to_model_state_dict`` (split views, no copies)."""
+    sizes = {
+        "self_attn.qkv_proj": [
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        ],
+        "mlp.gate_up_proj": [config.intermediate_size, config.intermediate_size],
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                prefix, kind = name.split(f"{fused}.")
+                for part, piece in zip(parts, torch.split(tensor, sizes[fused], dim=0), strict=True):
+                    out[f"{prefix}{part}.{kind}"] = piece
+                break
+        else:
+            out[name] = tensor
+    return out
+
+
+def build_model(
+    config: ModelArchConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> LlamaForCausalLM:
+    """A ready-to-serve model from its state dict: eval mode, no grads, weights not copied.
+
+    Built on the meta device and filled with ``assign=True``: random-initialising 135M
+    parameters only to overwrite them costs about a second.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if dtype is not None:
+        model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model

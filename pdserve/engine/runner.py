@@ -1,0 +1,194 @@
+"""ModelRunner: turns a SchedulerOutput into one batched forward pass and sampled tokens.
+
+It only executes: what to run was decided by the scheduler. It keeps a mirror of each
+request's tokens and block table (updated from the scheduler's deltas), flattens the step's
+tokens with decodes first, builds the paged-attention metadata, runs the model, and samples
+one token for every request whose known tokens are now all computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.connector.base import KVConnectorBase
+from pdserve.engine.kv_layout import KVCacheSpec
+from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.sampler import make_generator, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's copy of one request: tokens so far, block table, computed prefix."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+@dataclass
+class _Segment:
+    """One request's slice of the flattened batch."""
+
+    state: CachedRequestState
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache_spec: KVCacheSpec,
+        num_blocks: int,
+        connector: KVConnectorBase | None = None,
+        device: str = "cpu",
+    ) -> None:
+        self.model = model
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.device = torch.device(device)
+        self.kv_cache = kv_cache_spec.allocate(num_blocks, device=self.device)
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ------------------------------------------------------------------ state mirror
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling_params=new.sampling_params,
+                generator=make_generator(new.sampling_params),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        connector = self.connector
+        if connector is not None and scheduler_output.kv_connector_metadata is not None:
+            connector.start_load_kv(scheduler_output.kv_connector_metadata)
+
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            req_ids, sampled = self._forward_and_sample(scheduler_output.num_scheduled_tokens)
+
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        if connector is not None:
+            connector.wait_for_save()
+            output.finished_sending, output.finished_recving = connector.get_finished(
+                scheduler_output.finished_req_ids
+            )
+            output.invalid_block_ids = connector.get_invalid_block_ids() or None
+        return output
+
+    def _forward_and_sample(self, num_scheduled_tokens: dict[str, int]) -> tuple[list[str], list[list[int]]]:
+        segments = [
+            _Segment(self.requests[req_id], self.requests[req_id].num_computed_tokens, n)
+            for req_id, n in num_scheduled_tokens.items()
+        ]
+        # Decodes (single-token segments) first: the attention op batches them in one call.
+        segments.sort(key=lambda seg: seg.num_tokens != 1)
+        num_decodes = sum(1 for seg in segments if seg.num_tokens == 1)
+        input_ids, positions, slot_mapping = self._flatten(segments)
+        meta = self._attention_metadata(segments, num_decodes, slot_mapping)
+
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+
+        # Sample only where every known token is now computed (not mid-prefill).
+        sample_rows: list[int] = []
+        sampling_segments: list[_Segment] = []
+        offset = 0
+        for seg in segments:
+            offset += seg.num_tokens
+            seg.state.num_computed_tokens = seg.end
+            if seg.end >= len(seg.state.token_ids):
+                sample_rows.append(offset - 1)
+                sampling_segments.append(seg)
+        new_tokens: dict[str, list[int]] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens = sample(
+                logits,
+                [seg.state.sampling_params for seg in sampling_segments],
+                [seg.state.generator for seg in sampling_segments],
+            )
+            for seg, token in zip(sampling_segments, tokens, strict=True):
+                seg.state.token_ids.append(token)
+                new_tokens[seg.state.req_id] = [token]
+        req_ids = list(num_scheduled_tokens)
+        return req_ids, [new_tokens.get(req_id, []) for req_id in req_ids]
+
+    def _flatten(self, segments: list[_Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for seg in segments:
+            state = seg.state
+            token_ids.extend(state.token_ids[seg.start : seg.end])
+            positions.extend(range(seg.start, seg.end))
+            blocks = state.block_ids
+            slots.extend(blocks[pos // bs] * bs + pos % bs for pos in range(seg.start, seg.end))
+        return (
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.tensor(slots, dtype=torch.long, device=self.device),
+        )
+
+    def _attention_metadata(
+        self, segments: list[_Segment], num_decodes: int, slot_mapping: torch.Tensor
+    ) -> AttentionMetadata:
+        def block_table(segs: list[_Segment]) -> torch.Tensor:
+            width = max((-(-seg.end // self.block_size) for seg in segs), default=0)
+            rows = [seg.state.block_ids[:width] + [0] * (width - min(width, len(seg.state.block_ids))) for seg in segs]
+            return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(segs), width)
+
+        decodes, prefills = segments[:num_decodes], segments[num_decodes:]
+        query_start = [0]
+        for seg in prefills:
+            query_start.append(query_start[-1] + seg.num_tokens)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=block_table(decodes),
+            decode_seq_lens=torch.tensor([seg.end for seg in decodes], dtype=torch.int32, device=self.device),
+            prefill_block_tables=block_table(prefills),
+            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=self.device),
+            prefill_seq_lens=torch.tensor([seg.end for seg in prefills], dtype=torch.int32, device=self.device),
+        )

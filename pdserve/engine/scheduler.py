@@ -1,0 +1,466 @@
+"""vLLM-v1-style scheduler: continuous batching over a paged KV cache. It only decides.
+
+Each step it spends a token budget on running requests first (decodes and prefill chunks),
+then admits waiting ones, preempting by recompute when blocks run out. Prefix-cache hits and
+remote KV (the P/D connector) both count as already-computed tokens. A decode engine's request
+whose KV is still in flight sits in ``WAITING_FOR_REMOTE_KVS`` with its blocks allocated; a
+prefill engine's finished request may keep its blocks (``delay_free``) until the connector says
+the remote reader is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.connector.base import KVConnectorBase
+from pdserve.engine.interface import SchedulerInterface
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request_queue import create_request_queue
+
+logger = logging.getLogger(__name__)
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set the finished status if the last token ends the request; True if it does."""
+    params = request.sampling_params
+    last_token = request.output_token_ids[-1]
+    if not params.ignore_eos and last_token == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last_token in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last_token
+        return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= params.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+class Scheduler(SchedulerInterface):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        connector: KVConnectorBase | None = None,
+        log_stats: bool = False,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.connector = connector
+        self.log_stats = log_stats
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=scheduler_config.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}  # every request that still holds state
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner must drop their cached state.
+        self.finished_req_ids: set[str] = set()
+        # Finished requests whose blocks the connector still needs (a remote decode reading them).
+        self.held_req_ids: set[str] = set()
+        # Remote loads reported done by the worker; consumed when the request is next considered.
+        self.finished_recving_kv_req_ids: set[str] = set()
+        # {req_id: tokens that will be valid once its remote KV has landed (local hit + remote)}
+        self.pending_remote_tokens: dict[str, int] = {}
+        # Outputs produced outside a model step (e.g. a failed KV load), sent with the next update:
+        # [(client_index, output)]
+        self.pending_outputs: list[tuple[int, EngineCoreOutput]] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        assert RequestStatus.is_finished(finished_status)
+        ids = (request_ids,) if isinstance(request_ids, str) else set(request_ids)
+        to_free: list[Request] = []
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.is_finished():
+                # Already finished, blocks held for a remote reader: an abort releases them now.
+                if req_id in self.held_req_ids:
+                    if self.connector is not None:
+                        self.connector.request_released(req_id)
+                    self._free_blocks(request)
+                continue
+            to_free.append(request)
+        running = [r for r in to_free if r.status == RequestStatus.RUNNING]
+        if running:
+            gone = set(running)
+            self.running = [r for r in self.running if r not in gone]
+        waiting = [r for r in to_free if r.status != RequestStatus.RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in to_free:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """A request just finished: tell the connector, and free its blocks unless it holds them."""
+        assert request.is_finished()
+        delay_free, kv_transfer_params = False, None
+        if self.connector is not None:
+            delay_free, kv_transfer_params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)
+            )
+        self.finished_req_ids.add(request.request_id)
+        # A load that already landed writes nothing more: no reason to hold its blocks.
+        if delay_free and request.request_id not in self.finished_recving_kv_req_ids:
+            self.held_req_ids.add(request.request_id)
+        else:
+            self._free_blocks(request)
+        return kv_transfer_params
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        req_id = request.request_id
+        self.requests.pop(req_id, None)
+        self.held_req_ids.discard(req_id)
+        self.pending_remote_tokens.pop(req_id, None)
+        self.finished_recving_kv_req_ids.discard(req_id)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        config = self.scheduler_config
+        token_budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
+        num_scheduled_tokens: dict[str, int] = {}
+        req_to_new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests: decodes and the next chunk of partial prefills.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_block_ids is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                if victim in scheduled_running:
+                    # Already scheduled this step (priority policy): give its tokens back.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    req_to_new_block_ids.pop(victim.request_id, None)
+                    req_index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            scheduled_running.append(request)
+            req_to_new_block_ids[request.request_id] = new_block_ids
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, unless this step had to preempt (no room to admit anyone).
+        skipped = create_request_queue(config.policy)
+        while not preempted and self.waiting and token_budget > 0:
+            if len(self.running) >= config.max_num_seqs:
+                break
+            request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._remote_kv_ready(request):
+                    skipped.add_request(self.waiting.pop_request())
+                    continue
+                request.status = RequestStatus.WAITING
+
+            load_kv_async = False
+            num_external_tokens = 0
+            computed_blocks: list = []
+            num_local_tokens = 0
+            if self.kv_cache_manager.num_blocks_of(request.request_id) == 0:
+                computed_blocks, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None:
+                    num_external_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                        request, num_local_tokens
+                    )
+                num_computed_tokens = num_local_tokens + num_external_tokens
+            else:
+                # Remote KV has landed (or failed and is being recomputed) into blocks it holds.
+                num_computed_tokens = request.num_computed_tokens
+
+            if load_kv_async:
+                num_new_tokens = 0  # nothing to compute until the blocks arrive
+            else:
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if not config.enable_chunked_prefill and num_new_tokens > token_budget:
+                    skipped.add_request(self.waiting.pop_request())
+                    continue
+                num_new_tokens = min(num_new_tokens, token_budget)
+                assert num_new_tokens > 0
+
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens + num_external_tokens,
+                num_local_tokens,
+                computed_blocks,
+                delay_cache_blocks=load_kv_async,
+            )
+            if new_block_ids is None:
+                break  # out of blocks: later requests wait too (no overtaking)
+
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens
+                )
+            self.waiting.pop_request()
+            if load_kv_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.pending_remote_tokens[request.request_id] = num_computed_tokens
+                skipped.add_request(request)
+                continue
+
+            self.running.append(request)
+            scheduled_new.append(request)
+            req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= config.max_num_batched_tokens and token_budget >= 0
+        assert len(self.running) <= config.max_num_seqs
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, req_to_new_block_ids[r.request_id]) for r in scheduled_new
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running],
+                resumed_from_preemption=[False] * len(scheduled_running),
+                new_block_ids=[req_to_new_block_ids[r.request_id] for r in scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+
+        # Advance progress now so the next schedule() can continue a chunked prefill at once.
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.scheduler_config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the request's blocks and requeue it at the front."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        logger.debug("preempted %s", request.request_id)
+
+    def _remote_kv_ready(self, request: Request) -> bool:
+        """Move a request whose remote KV has landed back to schedulable, its tokens computed."""
+        if request.request_id not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        num_computed = self.pending_remote_tokens.pop(request.request_id, 0)
+        # The last token is always recomputed: its logits give the next token.
+        num_computed = min(num_computed, request.num_tokens - 1)
+        self.kv_cache_manager.cache_blocks(request, num_computed)
+        request.num_computed_tokens = num_computed
+        return True
+
+    # ------------------------------------------------------------------ step results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        sampled = model_runner_output.sampled_token_ids
+        index_of = model_runner_output.req_id_to_index
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        new_running: list[Request] = []
+        for request in self.running:
+            req_id = request.request_id
+            if num_scheduled.get(req_id, 0) == 0:
+                new_running.append(request)
+                continue
+            new_token_ids = list(sampled[index_of[req_id]]) if req_id in index_of else []
+            stopped = False
+            kv_transfer_params = None
+            for count, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids(token_id)
+                if check_stop(request, self.max_model_len):
+                    stopped = True
+                    del new_token_ids[count:]
+                    kv_transfer_params = self._free_request(request)
+                    break
+            if new_token_ids or kv_transfer_params:
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        finish_reason=request.get_finished_reason(),
+                        kv_transfer_params=kv_transfer_params,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+            if not stopped:
+                new_running.append(request)
+        self.running = new_running
+
+        self._update_from_kv_xfer_finished(model_runner_output)
+        for client_index, output in self.pending_outputs:
+            outputs[client_index].append(output)
+        self.pending_outputs = []
+
+        result = {index: EngineCoreOutputs(outputs=outs) for index, outs in outputs.items()}
+        if result and self.log_stats:
+            next(iter(result.values())).scheduler_stats = self.make_stats()
+        return result
+
+    def _update_from_kv_xfer_finished(self, output: ModelRunnerOutput) -> None:
+        if output.invalid_block_ids:
+            self._handle_failed_loads(output.invalid_block_ids)
+        for req_id in output.finished_recving or ():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.is_finished():
+                # Aborted while its blocks were being written: safe to free only now.
+                self._free_blocks(request)
+            else:
+                self.finished_recving_kv_req_ids.add(req_id)
+        for req_id in output.finished_sending or ():
+            request = self.requests.get(req_id)
+            if request is not None and request.is_finished():
+                self._free_blocks(request)
+
+    def _handle_failed_loads(self, invalid_block_ids: set[int]) -> None:
+        """Remote loads that failed: recompute from the last valid block, or fail the request."""
+        loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        for request in loading:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            first_bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
+            if first_bad is None:
+                continue
+            logger.warning("remote KV load failed for %s at block %d", request.request_id, first_bad)
+            if self.scheduler_config.kv_load_failure_policy == "fail":
+                self.waiting.remove_requests([request])
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = "kv_load_failed"
+                self._free_request(request)
+                self.pending_outputs.append(
+                    (
+                        request.client_index,
+                        EngineCoreOutput(
+                            request_id=request.request_id,
+                            new_token_ids=[],
+                            finish_reason=request.get_finished_reason(),
+                            stop_reason=request.stop_reason,
+                        ),
+                    )
+                )
+                continue
+            valid_tokens = first_bad * self.block_size
+            pending = self.pending_remote_tokens.get(request.request_id, 0)
+            self.pending_remote_tokens[request.request_id] = min(pending, valid_tokens)
+            self.finished_recving_kv_req_ids.add(request.request_id)
+
+    # ------------------------------------------------------------------ introspection
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(self.kv_cache_manager.num_blocks_of(req_id) for req_id in self.held_req_ids)
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_for_remote_kvs=sum(
+                1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ),
+            num_held_blocks=self.num_held_blocks,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def get_kv_connector(self) -> KVConnectorBase | None:
+        return self.connector
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

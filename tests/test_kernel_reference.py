@@ -1,0 +1,135 @@
+"""The torch references themselves, checked against naive per-token float64 loops.
+
+The Triton kernels are tested against the references, so the references must be right: here
+each one is compared with the most literal implementation possible (one query token, one head,
+one context position at a time, in float64). Sizes are awkward on purpose: context lengths that
+are not multiples of the block size, 1-token contexts, GQA ratios 1, 3 and 8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.kernels import reference
+
+BLOCK_SIZE = 4
+
+
+def _paged_cache(
+    gen: torch.Generator, seq_lens: list[int], num_kv_heads: int, head_dim: int, num_layers: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random float64 cache with each sequence's blocks scattered, and its block tables."""
+    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    cache = torch.randn(num_blocks, num_layers, 2, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    cache = cache.double()
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for seq, n in enumerate(blocks_per_seq):
+        tables[seq, :n] = perm[used : used + n]
+        used += n
+    return cache, tables
+
+
+def _naive_attention(
+    q: torch.Tensor,  # [head_dim] one head of one token
+    kv_layer: torch.Tensor,
+    table: torch.Tensor,
+    kv_head: int,
+    num_visible: int,  # positions 0 .. num_visible - 1 are attended to
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention over the visible positions, one position at a time."""
+    scores, values = [], []
+    for pos in range(num_visible):
+        block, offset = int(table[pos // BLOCK_SIZE]), pos % BLOCK_SIZE
+        scores.append(float(q @ kv_layer[block, 0, offset, kv_head]) * scale)
+        values.append(kv_layer[block, 1, offset, kv_head])
+    peak = max(scores)
+    weights = [math.exp(s - peak) for s in scores]
+    total = sum(weights)
+    return sum(w / total * v for w, v in zip(weights, values, strict=True))
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_kernel_reference_decode_matches_naive_float64(group: int) -> None:
+    gen = torch.Generator().manual_seed(group)
+    num_kv_heads, head_dim, seq_lens = 2, 8, [1, 4, 5, 11]
+    cache, tables = _paged_cache(gen, seq_lens, num_kv_heads, head_dim)
+    layer = cache[:, 1]
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).double()
+    scale = head_dim**-0.5
+    out = reference.paged_attention_decode_ref(
+        query, layer, tables, torch.tensor(seq_lens, dtype=torch.int32), scale
+    )
+    for seq, seq_len in enumerate(seq_lens):
+        for head in range(num_kv_heads * group):
+            expected = _naive_attention(query[seq, head], layer, tables[seq], head // group, seq_len, scale)
+            torch.testing.assert_close(out[seq, head], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_kernel_reference_prefill_matches_naive_float64(group: int) -> None:
+    gen = torch.Generator().manual_seed(10 + group)
+    num_kv_heads, head_dim = 2, 8
+    chunks = [(1, 1), (3, 7), (6, 6), (1, 9), (0, 5)]  # (query tokens, context length incl. them)
+    seq_lens = [n for _, n in chunks]
+    cache, tables = _paged_cache(gen, seq_lens, num_kv_heads, head_dim)
+    layer = cache[:, 0]
+    starts = [0]
+    for q_len, _ in chunks:
+        starts.append(starts[-1] + q_len)
+    query = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=gen).double()
+    scale = head_dim**-0.5
+    out = reference.paged_attention_prefill_ref(
+        query,
+        layer,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        scale,
+    )
+    for seq, (q_len, seq_len) in enumerate(chunks):
+        for i in range(q_len):
+            token = starts[seq] + i
+            position = seq_len - q_len + i
+            for head in range(num_kv_heads * group):
+                expected = _naive_attention(
+                    query[token, head], layer, tables[seq], head // group, position + 1, scale
+                )
+                torch.testing.assert_close(out[token, head], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_reference_reshape_and_cache_writes_only_mapped_slots() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(5, 2, 2, BLOCK_SIZE, 3, 8, generator=gen)
+    before = cache.clone()
+    key = torch.randn(4, 3, 8, generator=gen)
+    value = torch.randn(4, 3, 8, generator=gen)
+    slots = torch.tensor([9, -1, 0, 19])
+    reference.reshape_and_cache_ref(key, value, cache[:, 1], slots)
+    expected = before.clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // BLOCK_SIZE, 1, 0, slot % BLOCK_SIZE] = key[token]
+            expected[slot // BLOCK_SIZE, 1, 1, slot % BLOCK_SIZE] = value[token]
+    assert torch.equal(cache, expected)
+
+
+def test_kernel_reference_gather_then_scatter_moves_whole_blocks() -> None:
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(6, 3, 2, BLOCK_SIZE, 2, 8, generator=gen)
+    ids = torch.tensor([4, 0, 2])
+    packed = reference.gather_blocks_ref(cache, ids)
+    assert packed.is_contiguous()
+    for i, block in enumerate(ids.tolist()):
+        assert torch.equal(packed[i], cache[block])
+    other = torch.zeros_like(cache)
+    reference.scatter_blocks_ref(other, torch.tensor([1, 5, 3]), packed)
+    for block, src in zip([1, 5, 3], ids.tolist(), strict=True):
+        assert torch.equal(other[block], cache[src])
+    assert not other[[0, 2, 4]].any()

@@ -1,0 +1,253 @@
+"""The Llama model over the paged KV cache, on the tiny random checkpoint (fast).
+
+Self-consistency tests (chunked prefill, decode, mixed batches, bf16) run in milliseconds; the
+comparisons with transformers (Llama and Qwen2 variants) are marked slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.config import ModelArchConfig
+from pdserve.engine.model.hf_loader import load_hf_dir
+from pdserve.engine.model.llama import (
+    LlamaForCausalLM,
+    build_model,
+    hf_to_model_state_dict,
+    model_to_hf_state_dict,
+)
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.model.tiny import write_tiny_model
+
+BLOCK_SIZE = 16
+PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog sleeps in the warm sun all day."
+
+
+def attn_batch(
+    decodes: list[tuple[list[int], int]] = (),
+    prefills: list[tuple[list[int], int, int]] = (),
+    block_size: int = BLOCK_SIZE,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions for one step, decodes first as the runner orders them.
+
+    ``decodes``: ``(block_table, seq_len)``, one new token at position ``seq_len - 1``;
+    ``prefills``: ``(block_table, num_computed, num_new)``, a chunk after ``num_computed`` tokens.
+    """
+    width = max([len(bt) for bt, *_ in [*decodes, *prefills]] or [1])
+
+    def table(rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32).reshape(
+            len(rows), width
+        )
+
+    def slot(block_table: list[int], pos: int) -> int:
+        return block_table[pos // block_size] * block_size + pos % block_size
+
+    positions = [seq_len - 1 for _, seq_len in decodes]
+    for _, done, new in prefills:
+        positions += range(done, done + new)
+    slots = [slot(bt, seq_len - 1) for bt, seq_len in decodes]
+    for bt, done, new in prefills:
+        slots += [slot(bt, p) for p in range(done, done + new)]
+    starts = [0]
+    for _, _, new in prefills:
+        starts.append(starts[-1] + new)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decode_tokens=len(decodes),
+        decode_block_tables=table([bt for bt, _ in decodes]),
+        decode_seq_lens=torch.tensor([n for _, n in decodes], dtype=torch.int32),
+        prefill_block_tables=table([bt for bt, _, _ in prefills]),
+        prefill_query_start_loc=torch.tensor(starts if prefills else [], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([done + new for _, done, new in prefills], dtype=torch.int32),
+    )
+    return meta, torch.tensor(positions, dtype=torch.int64)
+
+
+def run_step(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, input_ids: list[int], meta, positions
+) -> torch.Tensor:
+    with torch.inference_mode():
+        hidden = model(torch.tensor(input_ids, dtype=torch.int64), positions, kv_cache, meta)
+        return model.compute_logits(hidden)
+
+
+def prefill_logits(model: LlamaForCausalLM, arch: ModelArchConfig, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids``, one prefill into a fresh cache."""
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    kv = arch.kv_cache_spec(BLOCK_SIZE, model.model.norm.weight.dtype).allocate(num_blocks)
+    meta, positions = attn_batch(prefills=[(list(range(num_blocks)), 0, len(ids))])
+    return run_step(model, kv, ids, meta, positions)
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-3) -> None:
+    """Max abs difference within ``rel`` of the logits' scale, and the same greedy tokens."""
+    diff = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.abs().max().item()
+    assert diff <= rel * scale, f"max |diff| {diff:.3g} > {rel} * {scale:.3g}"
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny) -> list[int]:
+    ids = tiny.tokenizer.encode(PROMPT)
+    assert len(ids) > 40
+    return ids[:40]
+
+
+def _digest(directory: str) -> str:
+    with open(os.path.join(directory, "model.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_tiny_model_is_deterministic_per_seed(tmp_path):
+    a = write_tiny_model(str(tmp_path / "a"), seed=0)
+    b = write_tiny_model(str(tmp_path / "b"), seed=0)
+    c = write_tiny_model(str(tmp_path / "c"), seed=1)
+    assert _digest(a) == _digest(b) != _digest(c)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.exists(os.path.join(a, name))
+
+
+def test_load_model_reads_tiny_dir(tiny, tiny_dir):
+    arch = tiny.arch
+    assert (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (64, 4, 2, 16)
+    assert arch.vocab_size == tiny.tokenizer.vocab_size
+    assert not arch.tie_word_embeddings and tiny.model.lm_head is not None
+    assert tiny.path == os.path.abspath(tiny_dir)
+    assert not tiny.model.training
+    assert not any(p.requires_grad for p in tiny.model.parameters())
+    assert tiny.tokenizer.eos_token_id == 2 and tiny.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_tiny_tokenizer_round_trips_text_and_chat(tiny):
+    tok = tiny.tokenizer
+    for text in [PROMPT, "naïve café 日本語 🎉", "def f(x):\n    return x  # ok\n", ""]:
+        assert tok.decode(tok.encode(text)) == text
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.token_to_id("<|im_start|>")  # specials stay whole
+    assert tok.decode(ids) == "user\nhi\nassistant\n"  # and are skipped on decode
+
+
+def test_state_dict_conversion_round_trips(tiny_dir):
+    arch, state = load_hf_dir(tiny_dir)
+    hf_state = model_to_hf_state_dict(state, arch)
+    assert "model.layers.0.self_attn.q_proj.weight" in hf_state
+    assert "model.layers.0.mlp.up_proj.weight" in hf_state
+    back = hf_to_model_state_dict(hf_state, arch)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_kv_cache_spec_matches_model(tiny):
+    spec = tiny.arch.kv_cache_spec(BLOCK_SIZE, "bfloat16")
+    assert spec.block_shape == (2, 2, BLOCK_SIZE, 2, 16)
+    assert spec.torch_dtype == torch.bfloat16
+
+
+def test_decode_after_prefill_equals_longer_prefill(tiny, prompt_ids):
+    full = prefill_logits(tiny.model, tiny.arch, prompt_ids)
+    kv = tiny.arch.kv_cache_spec(BLOCK_SIZE).allocate(4)
+    head = prompt_ids[:-2]
+    meta, pos = attn_batch(prefills=[([0, 1, 2], 0, len(head))])
+    logits = run_step(tiny.model, kv, head, meta, pos)
+    torch.testing.assert_close(logits, full[: len(head)], atol=1e-5, rtol=1e-5)
+    for n in (len(prompt_ids) - 1, len(prompt_ids)):  # two decode steps through the cache
+        meta, pos = attn_batch(decodes=[([0, 1, 2], n)])
+        step = run_step(tiny.model, kv, [prompt_ids[n - 1]], meta, pos)
+        torch.testing.assert_close(step[0], full[n - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_equals_one_prefill(tiny, prompt_ids):
+    full = prefill_logits(tiny.model, tiny.arch, prompt_ids)
+    kv = tiny.arch.kv_cache_spec(BLOCK_SIZE).allocate(8)
+    table = [5, 2, 7]  # scattered blocks: positions must follow the table, not the block ids
+    cut = 19  # not on a block boundary
+    meta, pos = attn_batch(prefills=[(table, 0, cut)])
+    first = run_step(tiny.model, kv, prompt_ids[:cut], meta, pos)
+    meta, pos = attn_batch(prefills=[(table, cut, len(prompt_ids) - cut)])
+    second = run_step(tiny.model, kv, prompt_ids[cut:], meta, pos)
+    torch.testing.assert_close(torch.cat([first, second]), full, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_equals_sequences_run_alone(tiny, prompt_ids):
+    """Two decodes and two prefill chunks in one flattened step, each as if run alone."""
+    a, b = prompt_ids[:23], prompt_ids[7:37]
+    ref_a = prefill_logits(tiny.model, tiny.arch, a)
+    ref_b = prefill_logits(tiny.model, tiny.arch, b)
+    kv = tiny.arch.kv_cache_spec(BLOCK_SIZE).allocate(16)
+    tables = {"a": [0, 1], "b": [2, 3], "c": [4, 5], "d": [6, 7]}
+    # Warm caches: a and b hold all but their last token; c and d get chunks this step.
+    for name, ids in (("a", a[:-1]), ("b", b[:-1])):
+        meta, pos = attn_batch(prefills=[(tables[name], 0, len(ids))])
+        run_step(tiny.model, kv, ids, meta, pos)
+    meta, pos = attn_batch(prefills=[(tables["d"], 0, 10)])
+    run_step(tiny.model, kv, b[:10], meta, pos)
+    meta, pos = attn_batch(
+        decodes=[(tables["a"], len(a)), (tables["b"], len(b))],
+        prefills=[(tables["c"], 0, len(a)), (tables["d"], 10, len(b) - 10)],
+    )
+    ids = [a[-1], b[-1], *a, *b[10:]]
+    logits = run_step(tiny.model, kv, ids, meta, pos)
+    torch.testing.assert_close(logits[0], ref_a[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], ref_b[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[2 : 2 + len(a)], ref_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[2 + len(a) :], ref_b[10:], atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_model_tracks_float32(tiny_dir, tiny, prompt_ids):
+    bf16 = load_model(tiny_dir, dtype="bfloat16")
+    assert bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ref = prefill_logits(tiny.model, tiny.arch, prompt_ids)
+    logits = prefill_logits(bf16.model, bf16.arch, prompt_ids)
+    assert logits.dtype == torch.float32
+    assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_random_init_model_runs_without_loader():
+    """``LlamaForCausalLM(config)`` alone is a usable module (tied embeddings, q/k/v bias)."""
+    arch = ModelArchConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=1,
+        head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
+        tie_word_embeddings=True, attention_bias=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(arch).eval()
+    assert "lm_head.weight" not in model.state_dict()
+    assert model.state_dict()["model.layers.0.self_attn.qkv_proj.bias"].shape == (48,)
+    rebuilt = build_model(arch, model.state_dict())
+    torch.testing.assert_close(
+        prefill_logits(rebuilt, arch, list(range(20))), prefill_logits(model, arch, list(range(20)))
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qwen2"])
+def test_tiny_logits_match_transformers(tmp_path, attention_bias):
+    from transformers import AutoModelForCausalLM
+
+    directory = write_tiny_model(str(tmp_path), seed=3, attention_bias=attention_bias)
+    ours = load_model(directory)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert type(hf).__name__ == ("Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM")
+    ids = ours.tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    assert_logits_close(prefill_logits(ours.model, ours.arch, ids), expected, rel=1e-5)
