@@ -16,4 +16,4 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def tiny_llm(tiny_model_dir):
     from pdserve import LLM
 
-    return LLM(tiny_model_dir, max_model_len=256, num_blocks=64, max_num_batched_tokens=256)
+    return LLM(tiny_model_dir, max_model_len=1024, num_blocks=128, max_num_batched_tokens=1024)

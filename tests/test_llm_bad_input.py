@@ -25,7 +25,7 @@ def _assert_no_leak(tiny_llm) -> None:
     [
         ("", "prompt_token_ids"),
         ([], "prompt_token_ids"),
-        ([1] * 300, "prompt_token_ids"),  # max_model_len is 256
+        ([1] * 1024, "prompt_token_ids"),  # max_model_len is 1024
         ([-1, 2, 3], "prompt_token_ids"),
         ([10**9], "prompt_token_ids"),
     ],

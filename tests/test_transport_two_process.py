@@ -40,7 +40,7 @@ def _prefill_main(conn: Any, transport: str, options: dict[str, Any]) -> None:
 
         options = {**options, "fault": TcpFault(**options["fault"])}
     server = create_transport(transport, _source_cache(), role="producer", engine_id="prefill", **options)
-    conn.send_bytes(msgpack.packb({"metadata": server.local_metadata(), "pid": os.getpid()}))
+    conn.send_bytes(msgpack.packb({"metadata": server.local_metadata()}))
     expected = msgpack.unpackb(conn.recv_bytes())  # transfer ids decode expects us to report
     served: list[str] = []
     deadline = time.time() + 5.0
@@ -68,14 +68,14 @@ class Prefill:
         self.proc = ctx.Process(target=_prefill_main, args=(child, transport, options), daemon=True)
         self.proc.start()
         self.metadata: dict[str, Any] = {}
-        self.pid = -1
+        self.pid: int = self.proc.pid  # this child's own pid: signals go to it alone
+        assert self.pid > 0
 
     def ready(self) -> Prefill:
-        if self.pid < 0:
+        if not self.metadata:
             if not self.conn.poll(60):
                 raise TimeoutError("prefill child did not start")
-            hello = msgpack.unpackb(self.conn.recv_bytes())
-            self.metadata, self.pid = hello["metadata"], hello["pid"]
+            self.metadata = msgpack.unpackb(self.conn.recv_bytes())["metadata"]
         return self
 
     def served(self, expected: list[str]) -> list[str]:
@@ -100,8 +100,7 @@ class Prefill:
         raise TimeoutError("prefill did not stop")
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
+        self.proc.kill()  # multiprocessing signals its own child only (a no-op once it has exited)
         self.proc.join(10)
 
 

@@ -55,9 +55,15 @@ class KVConnectorBase(ABC):
 
     def request_released(self, request_id: str) -> None:
         """The scheduler freed a held request's blocks early (abort): forget its lease."""
+        return None
 
     def shutdown(self) -> None:
         """Release sockets, threads and registered memory."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the engine's Stats (blocks pulled, loads failed, leases expired...)."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """What the engine's front reports about this connector (addresses, transport)."""

@@ -153,7 +153,9 @@ class PDConnector(KVConnectorBase):
 
         self.transport = create_transport(
             self.config.transport,
-            kv_cache=kv_cache,
+            kv_cache,
+            role=self.config.role,
+            engine_id=f"{self.engine_id}/{self.instance_id}",
             spec=self.spec,
             host=self.config.host,
             transfer_timeout_s=self.config.transfer_timeout_s,
@@ -238,6 +240,16 @@ class PDConnector(KVConnectorBase):
         return {"ok": True, "renewed": len(renewed)}
 
     # ================================================================ misc
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_held_leases": len(self.leases),
+            "num_leases_released": self.leases.num_released,
+            "num_leases_expired": self.leases.num_expired,
+        }
+        if self.worker is not None:
+            out.update(self.worker.counters())
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -115,7 +115,7 @@ class SideChannelServer:
         except Exception as exc:  # a handler bug must not kill the channel
             logger.exception("side channel: handler failed")
             reply = {"ok": False, "error": f"internal error: {exc}"}
-        return {**reply, "nonce": nonce}
+        return {**reply, "type": "reply", "nonce": nonce}
 
     def close(self) -> None:
         self._stop.set()

@@ -126,6 +126,8 @@ class EngineCore:
                 num_held_blocks=scheduler.num_held_blocks,
                 kv_cache_usage=scheduler.kv_cache_manager.usage,
             )
+        if self.connector is not None:
+            stats.kv_connector = self.connector.stats()
         return stats
 
     def run_busy_loop(

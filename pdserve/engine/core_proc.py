@@ -33,7 +33,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from pdserve.connector.factory import create_connector
 
         spec = loaded.arch.kv_cache_spec(config.cache.block_size, config.model.dtype)
-        connector = create_connector(config.kv_transfer, spec, config.cache)
+        connector = create_connector(config.kv_transfer, spec)
     return EngineCore(loaded, config.scheduler, config.cache, connector, kv_cache_dtype=config.model.dtype)
 
 

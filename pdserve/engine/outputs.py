@@ -110,6 +110,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    kv_connector: dict = field(default_factory=dict)  # the connector's own counters
 
 
 @dataclass

@@ -104,16 +104,18 @@ def paged_attention_prefill_ref(
             kv_cache_layer, block_tables[seq], (seq_len + block_size - 1) // block_size
         )
         keys, values = keys[:seq_len], values[:seq_len]  # [L, Hkv, D]
+        # Fold the query heads sharing a KV head into the query-length axis: one attention per
+        # KV head with no broadcast or copy of K/V (both make CPU SDPA take its slow path).
         q = query[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        k = keys.permute(1, 0, 2)[:, None]  # [Hkv, 1, L, D]
-        v = values.permute(1, 0, 2)[:, None]
+        q = q.reshape(num_kv_heads, group * q_len, head_dim)
+        k = keys.permute(1, 0, 2)  # [Hkv, L, D]
+        v = values.permute(1, 0, 2)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q, L]
-        attn = F.scaled_dot_product_attention(
-            q.to(keys.dtype), k, v, attn_mask=mask, scale=scale
-        )  # [Hkv, group, q, D]
-        out[q_start:q_end] = attn.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
+        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * q, L]
+        attn = F.scaled_dot_product_attention(q.to(keys.dtype), k, v, attn_mask=mask, scale=scale)
+        attn = attn.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = attn.reshape(q_len, num_heads, head_dim).to(query.dtype)
     return out
 
 

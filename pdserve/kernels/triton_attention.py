@@ -23,8 +23,9 @@ rescales to the global max and sums.
 All arithmetic is fp32: K/V/Q are converted right after loading. This is also what makes the
 kernel testable: Triton's CPU interpreter does not compute bf16 arithmetic or ``tl.dot`` on bf16
 correctly. The dots use ``ieee`` precision for fp32 caches (to meet fp32 accuracy) and ``tf32``
-otherwise: bf16 values are exact in tf32, so Q.K^T loses nothing and only the probabilities
-are rounded, to 10 mantissa bits, better than the bf16 a fused bf16 kernel would use.
+otherwise: bf16 values are exact in tf32, so with a bf16 query Q.K^T loses nothing (the scale
+is applied after the dot for that reason) and only the probabilities are rounded, to 10
+mantissa bits, better than the bf16 a fused bf16 kernel would use.
 """
 
 from __future__ import annotations
@@ -157,7 +158,6 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     ).to(tl.float32)
-    q = q * scale_log2e
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(score - m_i)
@@ -175,7 +175,8 @@ def _paged_attention_kernel(
         k = tl.load(head_base + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(head_base + stride_ckv + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        # Scaled after the dot, not folded into q, so a bf16 q stays exact in a tf32 dot.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= row_pos[:, None]) & pos_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -284,7 +285,7 @@ def _check_shapes(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_table
 
 
 def decode_partitions(num_seqs: int, num_kv_heads: int, max_positions: int, partition_size: int) -> int:
-    """How many context partitions each decode program pair gets (1: no split).
+    """Into how many context partitions each (sequence, KV head) decode program is split.
 
     A decode launches one program per (sequence, KV head): at batch 32 with 3 KV heads that is
     96 programs, too few to keep a GPU's memory system busy, so long contexts are split into

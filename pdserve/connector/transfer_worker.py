@@ -1,0 +1,293 @@
+"""The decode side's transfer thread: handshakes, pulls, lease renewals, releases.
+
+The engine loop only enqueues jobs and collects results, so it never waits on the network.
+Each load moves through one small state machine (SGLang's shape): BOOTSTRAPPING (handshake with
+the prefill engine, cached per peer), TRANSFERRING (the transport's read is in flight), then
+SUCCESS or FAILED. Either way prefill is told to release its blocks; a failure also reports the
+local block ids as invalid so the scheduler recomputes or fails the request.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.connector.side_channel import SideChannelClient, SideChannelError
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+# Past its deadline the transport must report a transfer failed; if it has not after this much
+# more, the worker reports it failed itself rather than let the request hang.
+DEADLINE_GRACE_S = 2.0
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class RemoteRef:
+    """Which prefill engine holds the blocks, from the request's ``kv_transfer_params``."""
+
+    engine_id: str
+    instance_id: str
+    host: str
+    port: int
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemoteRef:
+        try:
+            port = int(params["remote_port"])
+            return cls(
+                engine_id=str(params["remote_engine_id"]),
+                instance_id=str(params.get("remote_instance_id", "")),
+                host=str(params["remote_host"]),
+                port=port,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"kv_transfer_params: missing or bad remote address ({exc})") from None
+
+    @property
+    def transport_key(self) -> str:
+        # A restarted peer is a new transport endpoint even on the same address.
+        return f"{self.engine_id}/{self.instance_id}"
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    remote: RemoteRef
+    remote_req_id: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    error: str | None = None  # set when the job is invalid before it starts
+    state: TransferState = TransferState.BOOTSTRAPPING
+    started_at: float = 0.0
+    deadline: float = 0.0
+    next_renew_at: float = 0.0
+
+
+@dataclass
+class TransferRecord:
+    """A finished load, for metrics and the transfer benchmark."""
+
+    req_id: str
+    ok: bool
+    num_blocks: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class _Peer:
+    client: SideChannelClient
+    instance_id: str
+    handshaken: bool = False
+
+
+@dataclass
+class _Release:
+    remote: RemoteRef
+    remote_req_id: str
+
+
+class TransferWorker:
+    def __init__(
+        self,
+        transport: Any,
+        fingerprint: dict[str, Any],
+        engine_id: str,
+        token: str | None,
+        transfer_timeout_s: float,
+        lease_renew_s: float,
+    ) -> None:
+        self.transport = transport
+        self.fingerprint = fingerprint
+        self.engine_id = engine_id
+        self.token = token
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lease_renew_s = lease_renew_s
+        self._jobs: queue.Queue[LoadJob | _Release] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._invalid: set[int] = set()
+        self._counters = {"num_loads_ok": 0, "num_loads_failed": 0, "num_blocks_pulled": 0, "transfer_seconds": 0.0}
+        self.records: deque[TransferRecord] = deque(maxlen=4096)
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._in_flight: dict[str, LoadJob] = {}  # {req_id: job}, owned by the thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def submit_load(self, job: LoadJob) -> None:
+        self._jobs.put(job)
+
+    def submit_release(self, remote: RemoteRef, remote_req_id: str) -> None:
+        self._jobs.put(_Release(remote, remote_req_id))
+
+    def take_finished(self) -> tuple[set[str], set[int]]:
+        """Loads that ended since the last call, and the local blocks of the failed ones."""
+        with self._lock:
+            done, self._done = self._done, set()
+            invalid, self._invalid = self._invalid, set()
+        return done, invalid
+
+    def counters(self) -> dict[str, float]:
+        """Totals over every load this worker finished (for Stats and metrics)."""
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for peer in self._peers.values():
+            peer.client.close()
+
+    # ------------------------------------------------------------------ transfer thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._take_jobs(block_s=0.0005 if self._in_flight else 0.05)
+                self._collect_results()
+                self._enforce_deadlines()
+                self._renew_leases()
+                for peer in self._peers.values():
+                    peer.client.drain()
+            except Exception:  # the thread must survive anything one job does
+                logger.exception("kv transfer thread: unexpected error")
+
+    def _take_jobs(self, block_s: float) -> None:
+        try:
+            item = self._jobs.get(timeout=block_s)
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Release):
+                self._notify(item.remote, "release", [item.remote_req_id])
+            else:
+                self._start(item)
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _start(self, job: LoadJob) -> None:
+        job.started_at = time.monotonic()
+        if job.error is not None:
+            self._finish(job, ok=False, error=job.error)
+            return
+        try:
+            self._ensure_handshake(job.remote)
+            job.state = TransferState.TRANSFERRING
+            job.deadline = time.monotonic() + self.transfer_timeout_s
+            job.next_renew_at = time.monotonic() + self.lease_renew_s
+            self._in_flight[job.req_id] = job
+            self.transport.start_read(
+                job.req_id, job.remote.transport_key, job.remote_block_ids, job.local_block_ids
+            )
+        except Exception as exc:  # handshake refused, peer down, transport error
+            self._in_flight.pop(job.req_id, None)
+            self._forget_peer(job.remote)
+            self._finish(job, ok=False, error=str(exc))
+
+    def _ensure_handshake(self, remote: RemoteRef) -> None:
+        key = (remote.host, remote.port)
+        peer = self._peers.get(key)
+        if peer is not None and peer.handshaken and peer.instance_id == remote.instance_id:
+            return
+        if peer is None:
+            peer = _Peer(SideChannelClient(remote.host, remote.port, self.token), remote.instance_id)
+            self._peers[key] = peer
+        reply = peer.client.request(
+            {"type": "handshake", "engine_id": self.engine_id, "fingerprint": self.fingerprint},
+            timeout_s=HANDSHAKE_TIMEOUT_S,
+        )
+        if reply.get("fingerprint") != self.fingerprint:
+            raise SideChannelError(
+                f"KV layout mismatch with {remote.engine_id}: ours {self.fingerprint}, "
+                f"theirs {reply.get('fingerprint')}"
+            )
+        if reply.get("transport") != self.transport.name:
+            raise SideChannelError(
+                f"transport mismatch with {remote.engine_id}: ours {self.transport.name!r}, "
+                f"theirs {reply.get('transport')!r}"
+            )
+        if remote.instance_id and reply.get("instance_id") != remote.instance_id:
+            raise SideChannelError(
+                f"{remote.engine_id} restarted since it prefilled this request: its blocks are gone"
+            )
+        self.transport.add_remote(remote.transport_key, reply["transport_metadata"])
+        peer.instance_id = str(reply.get("instance_id", ""))
+        peer.handshaken = True
+        logger.info("handshake with %s at %s:%d done", remote.engine_id, remote.host, remote.port)
+
+    def _collect_results(self) -> None:
+        for result in self.transport.poll():
+            job = self._in_flight.pop(result.transfer_id, None)
+            if job is None:
+                continue
+            if not result.ok:
+                self._forget_peer(job.remote)
+            self._finish(job, ok=result.ok, error=result.error)
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for req_id, job in list(self._in_flight.items()):
+            if now > job.deadline + DEADLINE_GRACE_S:
+                logger.error("%s: transport did not report within its deadline", req_id)
+                del self._in_flight[req_id]
+                self._forget_peer(job.remote)
+                self._finish(job, ok=False, error="transfer timed out")
+
+    def _renew_leases(self) -> None:
+        now = time.monotonic()
+        for job in self._in_flight.values():
+            if now >= job.next_renew_at:
+                job.next_renew_at = now + self.lease_renew_s
+                self._notify(job.remote, "renew", [job.remote_req_id])
+
+    def _finish(self, job: LoadJob, ok: bool, error: str | None = None) -> None:
+        job.state = TransferState.SUCCESS if ok else TransferState.FAILED
+        seconds = time.monotonic() - job.started_at
+        if ok:
+            logger.debug("%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3)
+        else:
+            logger.warning("%s: KV pull from %s failed: %s", job.req_id, job.remote.engine_id, error)
+        # Either way prefill may free: we have the blocks, or we will recompute without them.
+        self._notify(job.remote, "release", [job.remote_req_id])
+        self.records.append(TransferRecord(job.req_id, ok, len(job.local_block_ids), seconds, error))
+        with self._lock:
+            self._done.add(job.req_id)
+            if ok:
+                self._counters["num_loads_ok"] += 1
+                self._counters["num_blocks_pulled"] += len(job.local_block_ids)
+                self._counters["transfer_seconds"] += seconds
+            else:
+                self._counters["num_loads_failed"] += 1
+                self._invalid.update(job.local_block_ids)
+
+    def _notify(self, remote: RemoteRef, kind: str, request_ids: list[str]) -> None:
+        key = (remote.host, remote.port)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = _Peer(SideChannelClient(remote.host, remote.port, self.token), remote.instance_id)
+            self._peers[key] = peer
+        peer.client.notify({"type": kind, "request_ids": request_ids})
+
+    def _forget_peer(self, remote: RemoteRef) -> None:
+        peer = self._peers.get((remote.host, remote.port))
+        if peer is not None:
+            peer.handshaken = False  # redo the handshake next time (it may have restarted)
