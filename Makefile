@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint venv bench clean
+.PHONY: test demo lint venv bench clean proto
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/pdserve bench engine
+
+# Regenerate the committed gRPC stubs (pdserve/v1/) after editing proto/ (a test checks they match).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve/v1/*.proto
 
 clean:
 	rm -rf $(VENV)

@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=_generate)
 
+    from pdserve.decode import server as decode_server
+    from pdserve.prefill import server as prefill_server
+
+    for name, module in (("prefill", prefill_server), ("decode", decode_server)):
+        role = sub.add_parser(name, help=f"run a {name} engine (gRPC server + engine core)")
+        module.add_args(role)
+        role.set_defaults(func=module.main)
+
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels)")
     bench.add_argument("what", choices=["engine", "transfer", "kernels"])
     bench.set_defaults(func=_bench)

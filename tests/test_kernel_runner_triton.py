@@ -13,7 +13,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -40,7 +42,7 @@ print(json.dumps({"token_ids": [list(c.token_ids) for c in completions], "triton
 """
 
 
-def _start(model_dir: str, backend: str) -> subprocess.Popen:
+def _start(model_dir: str, backend: str, stderr: IO[str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PDSERVE_KERNELS")}
     env["PDSERVE_KERNELS"] = backend
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -51,14 +53,15 @@ def _start(model_dir: str, backend: str) -> subprocess.Popen:
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
 
 
-def _result(proc: subprocess.Popen, backend: str) -> dict:
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, f"{backend} run failed:\n{stderr[-4000:]}"
+def _result(proc: subprocess.Popen, backend: str, stderr: IO[str]) -> dict:
+    stdout, _ = proc.communicate(timeout=300)
+    stderr.seek(0)
+    assert proc.returncode == 0, f"{backend} run failed:\n{stderr.read()[-4000:]}"
     return json.loads(stdout.strip().splitlines()[-1])
 
 
@@ -67,8 +70,12 @@ def test_kernel_runner_on_triton_interpreter_matches_torch_greedy_output(tmp_pat
     tiny = pytest.importorskip("pdserve.engine.model.tiny")
     model_dir = tiny.write_tiny_model(str(tmp_path / "tiny"), seed=0)
 
-    torch_run, triton_run = _start(model_dir, "torch"), _start(model_dir, "triton")  # concurrently
-    on_torch, on_triton = _result(torch_run, "torch"), _result(triton_run, "triton")
+    # Both run at once; stderr goes to files, not pipes, so neither stalls while the other is read.
+    with tempfile.TemporaryFile("w+") as torch_err, tempfile.TemporaryFile("w+") as triton_err:
+        torch_run = _start(model_dir, "torch", torch_err)
+        triton_run = _start(model_dir, "triton", triton_err)
+        on_torch = _result(torch_run, "torch", torch_err)
+        on_triton = _result(triton_run, "triton", triton_err)
 
     assert on_torch["triton_calls"] == {}
     calls = on_triton["triton_calls"]

@@ -17,15 +17,18 @@ numbers on every run; the seed is printed on failure (``PDSERVE_KERNEL_TEST_SEED
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -326,8 +329,8 @@ if importlib.util.find_spec("triton") is None:
 SEED = int(os.environ.get("PDSERVE_KERNEL_TEST_SEED", "0")) or int.from_bytes(os.urandom(3), "little")
 
 
-def _spawn(mode: str, case_ids: list[str]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_INTERPRET", "PDSERVE_KERNELS"))}
+def _spawn(mode: str, case_ids: list[str], stderr: IO[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PDSERVE_KERNELS")}
     env["PDSERVE_KERNEL_TEST_SEED"] = str(SEED)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a 3.9 warning; the 3.9 default
@@ -338,7 +341,7 @@ def _spawn(mode: str, case_ids: list[str]) -> subprocess.Popen:
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
 
@@ -346,24 +349,29 @@ def _spawn(mode: str, case_ids: list[str]) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def kernel_results() -> dict[str, dict]:
     """Run every case once, in three workers at the same time; {case id: result line}."""
-    # Prefill cases take ~4x a decode case in the interpreter: split them across both workers.
-    decode = [_attention_id(c) for c in ATTENTION if c[0].startswith("decode")]
+    ids = {kind: [_attention_id(c) for c in ATTENTION if c[0] == kind] for kind in ("decode", "decode-split")}
     prefill = [_attention_id(c) for c in ATTENTION if c[0] == "prefill"]
     other = [_cache_id(c) for c in CACHE] + [_blocks_id(c) for c in BLOCKS]
-    workers = [
-        _spawn("interpret", prefill[::2] + decode),
-        _spawn("interpret", prefill[1::2] + other),
-        _spawn("compile", [_compile_id(c) for c in COMPILE]),
+    # Roughly equal interpreter time each (a prefill case takes ~3 decode cases).
+    work = [
+        ("interpret", prefill[::2] + ids["decode"] + other),
+        ("interpret", prefill[1::2] + ids["decode-split"]),
+        ("compile", [_compile_id(c) for c in COMPILE]),
     ]
     results: dict[str, dict] = {}
-    for proc in workers:
-        stdout, stderr = proc.communicate(timeout=600)
-        for line in stdout.splitlines():
-            if line.startswith("{"):
-                entry = json.loads(line)
-                results[entry["id"]] = entry
-        if proc.returncode:
-            results.setdefault("_crashes", {"error": ""})["error"] += stderr[-4000:]
+    with contextlib.ExitStack() as stack:
+        # stderr goes to files, not pipes, so no worker stalls while another one is being read.
+        errs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in work]
+        workers = [_spawn(mode, case_ids, err) for (mode, case_ids), err in zip(work, errs, strict=True)]
+        for proc, err in zip(workers, errs, strict=True):
+            stdout, _ = proc.communicate(timeout=600)
+            for line in stdout.splitlines():
+                if line.startswith("{"):
+                    entry = json.loads(line)
+                    results[entry["id"]] = entry
+            if proc.returncode:
+                err.seek(0)
+                results.setdefault("_crashes", {"error": ""})["error"] += err.read()[-4000:]
     return results
 
 

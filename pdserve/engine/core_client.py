@@ -30,7 +30,52 @@ class EngineCoreError(RuntimeError):
     """The core process died or did not start."""
 
 
+def spawn_core(
+    config: EngineConfig,
+    inputs: zmq.Socket,
+    outputs: zmq.Socket,
+    env: dict[str, str] | None = None,
+    log_level: str = "INFO",
+) -> tuple[str, subprocess.Popen]:
+    """Bind ``inputs``/``outputs`` to IPC paths in a private directory and start the core there."""
+    ipc_dir = tempfile.mkdtemp(prefix="pdserve-core-")
+    input_addr, output_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
+    inputs.bind(input_addr)
+    outputs.bind(output_addr)
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "pdserve.engine.core_proc",
+            "--config", config.to_json(),
+            "--input", input_addr,
+            "--output", output_addr,
+            "--log-level", log_level,
+        ],
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return ipc_dir, proc
+
+
+def add_request_message(
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams,
+    kv_transfer_params: dict[str, Any] | None,
+    priority: int,
+) -> dict[str, Any]:
+    return {
+        "type": messages.ADD,
+        "request_id": request_id,
+        "prompt_token_ids": list(prompt_token_ids),
+        "sampling_params": messages.sampling_to_dict(sampling_params),
+        "kv_transfer_params": kv_transfer_params,
+        "priority": priority,
+        "arrival_time": time.time(),
+    }
+
+
 class EngineCoreClient:
+    """Blocking client (tests, scripts); servers use ``AsyncEngineCoreClient``."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -40,30 +85,10 @@ class EngineCoreClient:
         log_level: str = "INFO",
     ) -> None:
         self.config = config
-        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-core-")
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PUSH)
-        input_addr = f"ipc://{self._ipc_dir}/in"
-        self.inputs.bind(input_addr)
         self.outputs = self.ctx.socket(zmq.PULL)
-        output_addr = f"ipc://{self._ipc_dir}/out"
-        self.outputs.bind(output_addr)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.engine.core_proc",
-                "--config",
-                config.to_json(),
-                "--input",
-                input_addr,
-                "--output",
-                output_addr,
-                "--log-level",
-                log_level,
-            ],
-            env={**os.environ, **(env or {})},
-        )
+        self._ipc_dir, self.proc = spawn_core(config, self.inputs, self.outputs, env, log_level)
         self._nonce = itertools.count()
         self._buffered: list[EngineCoreOutput] = []
         self.info = self._wait_ready(startup_timeout_s)
@@ -91,17 +116,7 @@ class EngineCoreClient:
         kv_transfer_params: dict[str, Any] | None = None,
         priority: int = 0,
     ) -> None:
-        self._send(
-            {
-                "type": messages.ADD,
-                "request_id": request_id,
-                "prompt_token_ids": list(prompt_token_ids),
-                "sampling_params": messages.sampling_to_dict(sampling_params),
-                "kv_transfer_params": kv_transfer_params,
-                "priority": priority,
-                "arrival_time": time.time(),
-            }
-        )
+        self._send(add_request_message(request_id, prompt_token_ids, sampling_params, kv_transfer_params, priority))
 
     def abort(self, request_ids: list[str]) -> None:
         self._send({"type": messages.ABORT, "request_ids": list(request_ids)})

@@ -15,11 +15,11 @@ Protocol (tag messages; control tag has the top bit set, data tags never do)::
     reader -> server  CONTROL_TAG  {"op": "hello", "client": nonce, "address": reader worker address}
     reader -> server  CONTROL_TAG  {"op": "read", "client": nonce, "tid", "reader", "tag": T,
                                     "runs": [[start, count], ...]}
-    server -> reader  tag T        status {"ok": bool, "error": str | None}
     server -> reader  tag T+1+i    the bytes of run i, sent from and received into the caches
+    server -> reader  tag T        only if it refuses: {"ok": false, "error": str}
 
-The reader posts its receives (status + one per run, straight into its destination blocks)
-before it sends the request. On a missed deadline it closes the endpoint to that peer, which
+The reader posts its receives (one per run, straight into its destination blocks, and one
+for a refusal) before it sends the request; a successful read costs no extra message. On a missed deadline it closes the endpoint to that peer, which
 cancels every receive posted on it, then reports each of that peer's reads failed; the next
 read reconnects with a fresh nonce.
 
@@ -111,7 +111,6 @@ class _Read:
     data_reqs: list[Any]
     request_req: Any
     request_buf: bytes
-    status_ok: bool = False
 
 
 @dataclass
@@ -306,15 +305,11 @@ class UcxTransport(KVTransport):
 
     def _check_reads(self) -> None:
         for read in list(self._reads.values()):
-            if not read.status_ok:
-                if not read.status_req.completed:
-                    continue
+            if read.status_req.completed:
+                # Only a refusal comes on the status tag, and no data follows it.
                 error = _request_error(read.status_req) or _status_error(read.status_buf)
-                if error is not None:
-                    # The server sends no data after a refusal; cancel our receives and go on.
-                    self._end_read(read, error)
-                    continue
-                read.status_ok = True
+                self._end_read(read, error)
+                continue
             if not all(req.completed for req in read.data_reqs):
                 continue
             errors = [e for e in map(_request_error, [*read.data_reqs, read.request_req]) if e]
@@ -323,7 +318,10 @@ class UcxTransport(KVTransport):
     def _end_read(self, read: _Read, error: str | None) -> None:
         del self._reads[read.job.transfer_id]
         read.peer.reads.discard(read.job.transfer_id)
-        read.data_reqs.clear()  # dropping a ucxx request cancels it if it is still posted
+        # Dropping a ucxx request cancels it if it is still posted: the unused status receive
+        # of a successful read, or the data receives of a refused one.
+        read.data_reqs.clear()
+        read.status_req = None
         self._finish(read.job, error)
 
     def _expire(self) -> None:
@@ -386,15 +384,18 @@ class UcxTransport(KVTransport):
         tid, reader, tag = message["tid"], str(message.get("reader", "")), int(message["tag"])
         try:
             runs = self._check_served_runs(message.get("runs"))
-            status = {"ok": True, "error": None}
-        except ValueError as exc:
-            runs, status = [], {"ok": False, "error": str(exc)[: _STATUS_BYTES - 64]}
-        status_buf = _frame(status)
-        bpb = self.bytes_per_block
-        buffers: list[Any] = [status_buf] + [self._view[s * bpb : (s + n) * bpb] for s, n in runs]
-        requests = [endpoint.tag_send(api.Array(buf), api.UCXXTag(tag + i)) for i, buf in enumerate(buffers)]
+        except ValueError as exc:  # refused: only a status message, on tag T
+            buffers: list[Any] = [_frame({"ok": False, "error": str(exc)[: _STATUS_BYTES - 64]})]
+            first, report = tag, False
+        else:  # run i on tag T+1+i, nothing on T
+            bpb = self.bytes_per_block
+            buffers = [self._view[s * bpb : (s + n) * bpb] for s, n in runs]
+            first, report = tag + 1, True
+        requests = [
+            endpoint.tag_send(api.Array(buf), api.UCXXTag(first + i)) for i, buf in enumerate(buffers)
+        ]
         deadline = time.perf_counter() + self.transfer_timeout_s
-        self._serves.append(_Serve(tid, reader, client, deadline, requests, buffers, report=status["ok"]))
+        self._serves.append(_Serve(tid, reader, client, deadline, requests, buffers, report=report))
 
     def _check_serves(self) -> None:
         still = []
@@ -443,11 +444,11 @@ def _parse_frame(buf: bytearray) -> dict[str, Any] | None:
     return message if isinstance(message, dict) else None
 
 
-def _status_error(buf: bytearray) -> str | None:
+def _status_error(buf: bytearray) -> str:
     status = _parse_frame(buf)
     if status is None:
-        return "malformed status from server"
-    return None if status.get("ok") else f"server refused: {status.get('error')}"
+        return "malformed refusal from server"
+    return f"server refused: {status.get('error')}"
 
 
 def _request_error(request: Any) -> str | None:

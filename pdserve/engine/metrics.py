@@ -1,0 +1,54 @@
+"""Prometheus metrics of one engine process, served on their own port (``/metrics``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from pdserve.engine.outputs import EngineCoreOutput
+
+
+class EngineMetrics:
+    def __init__(self, role: str, address: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "engine": address}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+
+        self.kv_usage = gauge("pdserve_engine_kv_cache_usage", "Fraction of KV blocks referenced by requests")
+        self.running = gauge("pdserve_engine_num_running", "Requests running")
+        self.waiting = gauge("pdserve_engine_num_waiting", "Requests waiting (incl. for remote KV)")
+        self.waiting_remote = gauge("pdserve_engine_num_waiting_for_remote_kvs", "Requests waiting for remote KV")
+        self.held_blocks = gauge("pdserve_engine_num_held_blocks", "Blocks held for remote decode under a lease")
+        self.blocks_pulled = gauge("pdserve_engine_kv_blocks_pulled", "KV blocks pulled from prefill engines")
+        self.loads_failed = gauge("pdserve_engine_kv_loads_failed", "Remote KV loads that failed")
+        self.leases_expired = gauge("pdserve_engine_kv_leases_expired", "Held-block leases that expired")
+        self.finished = Counter(
+            "pdserve_engine_requests_finished", "Finished requests", [*names, "finish_reason"], registry=self.registry
+        )
+        self.tokens = Counter(
+            "pdserve_engine_generated_tokens", "Generated tokens", names, registry=self.registry
+        ).labels(**labels)
+        self._labels = labels
+
+    def observe_output(self, output: EngineCoreOutput) -> None:
+        self.tokens.inc(len(output.new_token_ids))
+        if output.finish_reason:
+            self.finished.labels(**self._labels, finish_reason=output.finish_reason).inc()
+
+    def observe_stats(self, stats: dict[str, Any]) -> None:
+        connector = stats.get("kv_connector") or {}
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.running.set(stats.get("num_running_reqs", 0))
+        self.waiting.set(stats.get("num_waiting_reqs", 0))
+        self.waiting_remote.set(stats.get("num_waiting_for_remote_kvs", 0))
+        self.held_blocks.set(stats.get("num_held_blocks", 0))
+        self.blocks_pulled.set(connector.get("num_blocks_pulled", 0))
+        self.loads_failed.set(connector.get("num_loads_failed", 0))
+        self.leases_expired.set(connector.get("num_leases_expired", 0))
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,255 @@
+"""The gRPC engine server shared by both roles: ``pdserve prefill`` and ``pdserve decode``.
+
+A thin servicer (as in grpcio's examples): validate, translate into engine-core calls, map
+failures to status codes. Beside it: the standard health service (SERVING once the model is
+loaded, NOT_SERVING if the core dies), server reflection, and Prometheus ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import uuid
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.async_core_client import AsyncEngineCoreClient
+from pdserve.engine.core_client import EngineCoreError
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.metrics import EngineMetrics
+from pdserve.engine.request import validate_prompt
+from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from pdserve.wire import engine_stats_to_proto, kv_params_from_proto, kv_params_to_proto, sampling_from_proto
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+# gRPC refuses larger messages itself (RESOURCE_EXHAUSTED); a prompt is far smaller than this.
+MAX_MESSAGE_BYTES = 16 << 20
+SHUTDOWN_GRACE_S = 5.0
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, core: AsyncEngineCoreClient, role: str, address: str, metrics: EngineMetrics) -> None:
+        self.core = core
+        self.role = role
+        self.address = address
+        self.metrics = metrics
+        self.vocab_size = int(core.info["vocab_size"])
+        self.max_model_len = int(core.info["max_model_len"])
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or f"eng-{uuid.uuid4().hex}"
+        prompt = list(request.prompt_token_ids)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            sampling.validate(self.vocab_size)
+            validate_prompt(prompt, self.max_model_len, self.vocab_size)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.core.has_stream(request_id):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
+        kv_params = kv_params_from_proto(request.kv_transfer_params)
+        queue = self.core.open_stream(request_id)
+        finished = False
+        try:
+            await self.core.add_request(request_id, prompt, sampling, kv_params, request.priority)
+            logger.info("%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params))
+            while True:
+                output = await queue.get()
+                if output.finish_reason == "error":
+                    finished = True
+                    await context.abort(*_error_status(str(output.stop_reason)))
+                finished = output.finished
+                self.metrics.observe_output(output)
+                yield engine_pb2.EngineGenerateResponse(
+                    request_id=request_id,
+                    token_ids=output.new_token_ids,
+                    finish_reason=output.finish_reason or "",
+                    kv_transfer_params=kv_params_to_proto(output.kv_transfer_params),
+                    num_cached_tokens=output.num_cached_tokens,
+                )
+                if finished:
+                    logger.info("%s: finished (%s)", request_id, output.finish_reason)
+                    return
+        except EngineCoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine core unavailable: {exc}")
+        finally:
+            self.core.close_stream(request_id)
+            if not finished:
+                # The caller went away (cancel, deadline, disconnect): free the request's blocks.
+                logger.info("%s: cancelled by the caller, aborting", request_id)
+                with contextlib.suppress(EngineCoreError):
+                    await self.core.abort([request_id])
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        found = self.core.has_stream(request.request_id)
+        try:
+            await self.core.abort([request.request_id])
+        except EngineCoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return common_pb2.AbortResponse(found=found)
+
+    async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        try:
+            stats = await self.core.stats()
+        except (TimeoutError, EngineCoreError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine core unavailable: {exc}")
+        return engine_stats_to_proto(stats, self.role, self.address, healthy=not self.core.dead)
+
+    async def Info(self, request: engine_pb2.InfoRequest, context: grpc.aio.ServicerContext):
+        info = self.core.info
+        connector = info.get("connector") or {}
+        return engine_pb2.EngineInfo(
+            role=self.role,
+            model=str(self.core.config.model.path or "bundled:SmolLM2-135M-Instruct"),
+            vocab_size=self.vocab_size,
+            eos_token_id=int(info.get("eos_token_id") if info.get("eos_token_id") is not None else -1),
+            max_model_len=self.max_model_len,
+            block_size=int(info["block_size"]),
+            num_blocks=int(info["num_blocks"]),
+            engine_id=str(connector.get("engine_id", "")),
+            kv_transport=str(connector.get("transport") or ""),
+        )
+
+
+def _error_status(reason: str) -> tuple[grpc.StatusCode, str]:
+    if reason == "kv_load_failed":
+        return grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill engine failed"
+    if reason == "engine core died":
+        return grpc.StatusCode.UNAVAILABLE, "engine core died"
+    return grpc.StatusCode.INVALID_ARGUMENT, reason
+
+
+async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any, metrics: EngineMetrics) -> None:
+    """Refresh metrics every second; flip health to NOT_SERVING if the core process dies."""
+    while not core.dead and core.proc.poll() is None:
+        with contextlib.suppress(EngineCoreError, asyncio.TimeoutError):
+            metrics.observe_stats(await core.stats())
+        await asyncio.sleep(1.0)
+    logger.error("engine core is gone: reporting NOT_SERVING")
+    for service in ("", ENGINE_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def serve_engine(config: EngineConfig, role: str, host: str, port: int, metrics_port: int | None) -> None:
+    core = AsyncEngineCoreClient(config)
+    try:
+        await core.start()
+    except EngineCoreError:
+        await core.close()
+        raise
+    address = f"{host}:{port}"
+    metrics = EngineMetrics(role, address)
+    if metrics_port is not None:
+        metrics.serve(host, metrics_port)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, role, address, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    server.add_insecure_port(address)
+    await server.start()
+    for service in ("", ENGINE_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("%s engine serving on %s (metrics on %s)", role, address, metrics_port)
+    print(f"pdserve {role} engine ready on {address}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch_core(core, health_servicer, metrics))
+    await stop.wait()
+    logger.info("shutting down (grace %.0fs)", SHUTDOWN_GRACE_S)
+    for service in ("", ENGINE_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(SHUTDOWN_GRACE_S)
+    watcher.cancel()
+    await core.close()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (gRPC, metrics, KV side channel)")
+    parser.add_argument("--port", type=int, required=True, help="gRPC port")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--engine-id", default="", help="stable id of this engine (default: random)")
+    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    parser.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: pick one)")
+    parser.add_argument("--lease-ms", type=int, default=30_000)
+    parser.add_argument("--transfer-timeout-s", type=float, default=10.0)
+    parser.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    parser.add_argument("--cluster-token", default=None, help="HMAC key for the KV side channel (or PDSERVE_CLUSTER_TOKEN)")
+
+
+def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> EngineConfig:
+    import os
+
+    token = args.cluster_token or os.environ.get("PDSERVE_CLUSTER_TOKEN") or None
+    kv = None
+    if kv_role is not None:
+        kv = KVTransferConfig(
+            role=kv_role,
+            transport=args.kv_transport,
+            engine_id=args.engine_id,
+            host=args.host,
+            side_channel_port=args.kv_port,
+            lease_ms=args.lease_ms,
+            transfer_timeout_s=args.transfer_timeout_s,
+            cluster_token=token,
+        )
+    return EngineConfig(
+        model=ModelConfig(path=args.model, dtype=args.dtype),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            kv_load_failure_policy=args.kv_load_failure_policy,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size, num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching
+        ),
+        kv_transfer=kv,
+    )
+
+
+def run_engine_server(args: argparse.Namespace, role: str, kv_role: str | None) -> int:
+    try:
+        config = engine_config_from_args(args, kv_role)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    try:
+        asyncio.run(serve_engine(config, role, args.host, args.port, args.metrics_port))
+    except EngineCoreError as exc:
+        logger.error("%s engine failed to start: %s", role, exc)
+        return 1
+    return 0
