@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_args(role)
         role.set_defaults(func=module.main)
 
+    from pdserve.router import server as router_server
+
+    router = sub.add_parser("router", help="run the gRPC router in front of prefill and decode engines")
+    router_server.add_args(router)
+    router.set_defaults(func=router_server.main)
+
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels)")
     bench.add_argument("what", choices=["engine", "transfer", "kernels"])
     bench.set_defaults(func=_bench)

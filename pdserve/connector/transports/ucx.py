@@ -55,7 +55,8 @@ CONTROL_TAG = (1 << 63) | 0x7064_6B76  # "pdkv"
 _CONTROL_BYTES = 1 << 20  # a read message of up to ~100k separate runs
 _STATUS_BYTES = 512
 _LEN = struct.Struct("<I")
-_MAX_SLEEP_S = 0.05  # a cap on select() so a missed UCX event costs latency, never a hang
+_MAX_SLEEP_S = 0.05
+SPIN_S = float(os.environ.get("SPIN_S", "0.0002"))  # a cap on select() so a missed UCX event costs latency, never a hang
 
 
 def _import_ucxx() -> Any:
@@ -156,6 +157,7 @@ class UcxTransport(KVTransport):
         self._control_buf = bytearray(_CONTROL_BYTES)
         self._control_req: Any = None
         self._stopping = False
+        self._spin_until = 0.0
         self._thread = threading.Thread(target=self._run, name="pdserve-ucx-worker", daemon=True)
         self._thread.start()
 
@@ -204,6 +206,8 @@ class UcxTransport(KVTransport):
             if self.role.serves:
                 self._post_control_recv()
             while not self._stopping:
+                if self._commands:
+                    self._spin_until = time.perf_counter() + SPIN_S
                 self._run_commands()
                 worker.progress()
                 self._check_control()
@@ -211,6 +215,8 @@ class UcxTransport(KVTransport):
                 self._check_serves()
                 self._expire()
                 if self._commands or self._stopping:
+                    continue
+                if (self._reads or self._serves) and time.perf_counter() < self._spin_until:
                     continue
                 if worker.arm():  # nothing pending inside UCX: safe to sleep on its fd
                     ready, _, _ = select.select(wake_fds, [], [], self._sleep_time())

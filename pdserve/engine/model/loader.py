@@ -96,3 +96,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") ->
         time.perf_counter() - start,
     )
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path)
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """Just the tokenizer of a model (the router's need): no weights are read."""
+    path = _resolve(path)
+    if path.endswith(".gguf"):
+        return Tokenizer.from_gguf(path)
+    return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))

@@ -1,0 +1,128 @@
+"""``pdserve.client.Client``: a blocking Python client for the router.
+
+    client = Client("127.0.0.1:8000")
+    print(client.generate(prompt="The capital of France is", max_tokens=16).text)
+    for delta in client.stream(prompt="Hello", request_id="my-id"):
+        print(delta.text, end="", flush=True)
+
+Errors are ``grpc.RpcError`` with the router's status code (INVALID_ARGUMENT for bad input,
+UNAVAILABLE when no engine can serve, RESOURCE_EXHAUSTED when the router is full).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.engine.outputs import Completion
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+@dataclass
+class Delta:
+    """One streamed message: new tokens, their text, and (last one only) why and how long."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Client:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        chat: bool = False,
+        priority: int = 0,
+    ) -> Iterator[Delta]:
+        """Yield deltas as tokens arrive; closing the iterator early cancels the request."""
+        sampling = common_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=list(stop_token_ids),
+            ignore_eos=ignore_eos,
+        )
+        if seed is not None:
+            sampling.seed = seed
+        request = router_pb2.GenerateRequest(
+            request_id=request_id or f"cli-{uuid.uuid4().hex}",
+            prompt=prompt or "",
+            prompt_token_ids=list(prompt_token_ids or ()),
+            sampling=sampling,
+            priority=priority,
+            apply_chat_template=chat,
+        )
+        call = self.stub.Generate(request, timeout=timeout)
+        try:
+            for message in call:
+                yield Delta(
+                    request_id=message.request_id,
+                    token_ids=list(message.token_ids),
+                    text=message.text,
+                    finish_reason=message.finish_reason or None,
+                    metrics=_as_dict(message.metrics) if message.HasField("metrics") else {},
+                )
+        finally:
+            call.cancel()  # a no-op once the stream has ended; cancels it if we stopped early
+
+    def generate(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any) -> Completion:
+        """Run one request to completion."""
+        token_ids: list[int] = []
+        text: list[str] = []
+        finish_reason = None
+        metrics: dict[str, Any] = {}
+        request_id = ""
+        for delta in self.stream(prompt, prompt_token_ids, **kwargs):
+            request_id = delta.request_id
+            token_ids.extend(delta.token_ids)
+            text.append(delta.text)
+            if delta.finish_reason:
+                finish_reason, metrics = delta.finish_reason, delta.metrics
+        return Completion(request_id, token_ids, "".join(text), finish_reason, metrics)
+
+    def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        """Abort a running request everywhere; False if the router does not know it."""
+        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout).found
+
+    def stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """One dict per engine: role, address, kv_usage, num_running, num_waiting, ..."""
+        reply = self.stub.Stats(common_pb2.StatsRequest(), timeout=timeout)
+        return [_as_dict(engine) for engine in reply.engines]
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    """A flat message as a dict of plain Python values (MessageToDict would stringify 64-bit ints)."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}

@@ -1,0 +1,465 @@
+"""``pdserve cluster``: a router and N prefill + M decode engines as local processes.
+
+``LocalCluster`` starts each engine as ``python -m pdserve prefill|decode ...``, waits until the
+standard gRPC health service of every engine reports SERVING, then starts the router on their
+addresses and waits for it the same way. The command prints the addresses and stays in the
+foreground; Ctrl-C or SIGTERM stops every process (router first, then the engines: SIGTERM, then
+SIGKILL after a grace period), and so does any child exiting on its own, which makes the command
+exit non-zero naming it.
+
+Children never outlive the cluster: each is started through a two-line shim that asks the kernel
+for SIGTERM when its parent goes away (``PR_SET_PDEATHSIG``) and then execs the real command,
+and each engine front in turn takes its engine core down with it. The children get their own
+session, so a Ctrl-C in the terminal reaches only the cluster, which stops them in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ENGINE_ROLES = ("prefill", "decode")
+DEFAULT_GRACE_S = 10.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+# A port picked free can be taken by another process before the child binds it.
+MAX_BIND_ATTEMPTS = 3
+_BIND_FAILURE_MARKERS = ("address already in use", "failed to bind", "errno 98")
+_PROGRESS_EVERY_S = 10.0
+
+# Runs in each child before the real command: SIGTERM me when my parent goes, then exec.
+# PR_SET_PDEATHSIG (1) survives execve; the ppid check covers a parent that died before prctl.
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
+)
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or died."""
+
+
+class ClusterStopped(ClusterError):
+    """Start-up was interrupted because a stop was requested."""
+
+
+@dataclass
+class ClusterProcess:
+    """One child of the cluster: its addresses, its command line and its log file."""
+
+    name: str  # "router", "prefill-0", "decode-1", ...
+    role: str  # "router", "prefill" or "decode"
+    address: str  # gRPC host:port
+    metrics_address: str | None  # host:port of Prometheus /metrics
+    log_path: str
+    argv: list[str] = field(default_factory=list)
+    popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def describe_exit(self) -> str:
+        code = self.popen.poll() if self.popen is not None else None
+        if code is None:
+            return "is running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as log:
+                return "".join(log.readlines()[-num_lines:])
+        except OSError:
+            return ""
+
+
+def pick_free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free right now (all held open together so none repeats)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def check_health(address: str, timeout_s: float = 1.0) -> bool:
+    """True when the gRPC health service at ``address`` reports SERVING for the whole server."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class LocalCluster:
+    """A router and ``num_prefill`` + ``num_decode`` engines as local processes.
+
+    ``with LocalCluster(num_prefill=1, num_decode=1, model=path) as cluster:`` returns once every
+    process is healthy; ``cluster.router_address`` is where clients connect. ``cluster.procs`` maps
+    each process name (``router``, ``prefill-0``, ``decode-0``, ...) to its ``ClusterProcess``.
+    Children die with the thread that started them, so start and stop the cluster from a thread
+    that outlives it.
+
+    Ports are picked free at start unless given: ``router_port`` for the router's gRPC port, or
+    ``base_port`` B, which gives the k-th process (router k=0, then the prefill engines, then the
+    decode engines) gRPC port B+2k and metrics port B+2k+1.
+    """
+
+    def __init__(
+        self,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        model: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        router_port: int | None = None,
+        base_port: int | None = None,
+        kv_transport: str = "auto",
+        policy: str | None = None,
+        engine_args: Sequence[str] = (),
+        router_args: Sequence[str] = (),
+        log_dir: str | None = None,
+        log_level: str = "INFO",
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        grace_s: float = DEFAULT_GRACE_S,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        if num_prefill < 0 or num_decode < 1:
+            raise ValueError(f"need num_prefill >= 0 and num_decode >= 1, got {num_prefill} and {num_decode}")
+        self.num_prefill = num_prefill
+        self.num_decode = num_decode
+        self.model = model
+        self.host = host
+        self.router_port = router_port
+        self.base_port = base_port
+        self.kv_transport = kv_transport
+        self.policy = policy
+        self.engine_args = list(engine_args)
+        self.router_args = list(router_args)
+        self.log_level = log_level
+        self.startup_timeout_s = startup_timeout_s
+        self.grace_s = grace_s
+        self.progress = progress or (lambda message: None)
+        self._own_log_dir = log_dir is None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        # One random key per cluster authenticates the engines' KV side channel to each other.
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
+        self.procs: dict[str, ClusterProcess] = {}  # {name: process}, in start order
+        self.stop_requested = threading.Event()
+        self._failed = False
+
+    # ------------------------------------------------------------------ addresses
+
+    @property
+    def router_address(self) -> str:
+        return self.procs["router"].address
+
+    @property
+    def prefill_addresses(self) -> list[str]:
+        return [p.address for p in self.procs.values() if p.role == "prefill"]
+
+    @property
+    def decode_addresses(self) -> list[str]:
+        return [p.address for p in self.procs.values() if p.role == "decode"]
+
+    @property
+    def engines(self) -> list[ClusterProcess]:
+        return [p for p in self.procs.values() if p.role in ENGINE_ROLES]
+
+    # ------------------------------------------------------------------ life cycle
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the engines, wait until they are healthy, then the same for the router."""
+        names = [f"{role}-{i}" for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)) for i in range(n)]
+        self._start_and_wait([(name, name.split("-")[0]) for name in names], first_index=1)
+        self._start_and_wait([("router", "router")], first_index=0)
+
+    def _start_and_wait(self, members: list[tuple[str, str]], first_index: int) -> None:
+        started = time.monotonic()
+        for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
+            ports = self._ports(members, first_index)
+            pending = []
+            for (name, role), (port, metrics_port) in zip(members, ports, strict=True):
+                if attempt > 1 and name not in self.procs:
+                    continue  # it started fine in an earlier attempt
+                proc = self._spawn(name, role, port, metrics_port)
+                self.progress(f"starting {name} on {proc.address} (log: {proc.log_path})")
+                pending.append(proc)
+            lost_bind = self._wait_healthy(pending, started)
+            if not lost_bind:
+                return
+            if self.base_port is not None or attempt == MAX_BIND_ATTEMPTS:
+                proc = lost_bind[0]
+                raise ClusterError(f"{proc.name} could not bind {proc.address}:\n{proc.log_tail()}")
+            for proc in lost_bind:
+                self.progress(f"{proc.name}: port taken by another process, retrying on a new one")
+            members = [(p.name, p.role) for p in lost_bind]
+            for proc in lost_bind:
+                del self.procs[proc.name]
+
+    def _ports(self, members: list[tuple[str, str]], first_index: int) -> list[tuple[int, int]]:
+        if self.base_port is not None:
+            ports = []
+            for name, role in members:
+                k = 0 if role == "router" else first_index + self._engine_index(name)
+                ports.append((self.base_port + 2 * k, self.base_port + 2 * k + 1))
+        else:
+            free = pick_free_ports(self.host, 2 * len(members))
+            ports = [(free[2 * i], free[2 * i + 1]) for i in range(len(members))]
+        if self.router_port is not None:
+            ports = [(self.router_port, mp) if role == "router" else (p, mp) for (p, mp), (_, role) in zip(ports, members, strict=True)]
+        return ports
+
+    def _engine_index(self, name: str) -> int:
+        role, index = name.split("-")
+        return int(index) + (self.num_prefill if role == "decode" else 0)
+
+    def _argv(self, role: str, port: int, metrics_port: int) -> list[str]:
+        argv = ["-m", "pdserve", "--log-level", self.log_level, role]
+        if role == "router":
+            argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
+            argv += ["--prefill", ",".join(self.prefill_addresses), "--decode", ",".join(self.decode_addresses)]
+            if self.policy:
+                argv += ["--policy", self.policy]
+            if self.model:
+                argv += ["--model", self.model]
+            return argv + self.router_args
+        argv += ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port)]
+        argv += ["--kv-transport", self.kv_transport]
+        if self.model:
+            argv += ["--model", self.model]
+        return argv + self.engine_args
+
+    def _spawn(self, name: str, role: str, port: int, metrics_port: int) -> ClusterProcess:
+        argv = self._argv(role, port, metrics_port)
+        if role in ENGINE_ROLES:
+            argv += ["--engine-id", f"{name}-{port}"]
+        proc = ClusterProcess(
+            name=name,
+            role=role,
+            address=f"{self.host}:{port}",
+            metrics_address=f"{self.host}:{metrics_port}",
+            log_path=os.path.join(self.log_dir, f"{name}.log"),
+            argv=[sys.executable, *argv],
+        )
+        if sys.platform.startswith("linux"):
+            command = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+        else:
+            command = proc.argv
+        with open(proc.log_path, "ab") as log:
+            proc.popen = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        self.procs[name] = proc
+        return proc
+
+    def _wait_healthy(self, pending: list[ClusterProcess], started: float) -> list[ClusterProcess]:
+        """Poll until every process in ``pending`` is SERVING; returns those that lost a port race."""
+        pending = list(pending)
+        lost_bind: list[ClusterProcess] = []
+        last_progress = time.monotonic()
+        while pending:
+            if self.stop_requested.is_set():
+                raise ClusterStopped("stop requested during start-up")
+            for proc in list(pending):
+                if not proc.alive:
+                    tail = proc.log_tail()
+                    if any(marker in tail.lower() for marker in _BIND_FAILURE_MARKERS):
+                        lost_bind.append(proc)
+                        pending.remove(proc)
+                        continue
+                    self._failed = True
+                    raise ClusterError(f"{proc.name} {proc.describe_exit()} during start-up; its log:\n{tail}")
+                if check_health(proc.address, timeout_s=0.5):
+                    pending.remove(proc)
+                    self.progress(f"{proc.name} ready on {proc.address} ({time.monotonic() - started:.1f}s)")
+            elapsed = time.monotonic() - started
+            if pending and elapsed > self.startup_timeout_s:
+                self._failed = True
+                names = ", ".join(p.name for p in pending)
+                raise ClusterError(f"{names} not healthy after {self.startup_timeout_s:.0f}s (logs in {self.log_dir})")
+            if pending and time.monotonic() - last_progress >= _PROGRESS_EVERY_S:
+                last_progress = time.monotonic()
+                self.progress(f"waiting for {', '.join(p.name for p in pending)} ({elapsed:.0f}s)")
+            if pending:
+                self.stop_requested.wait(0.2)
+        return lost_bind
+
+    def dead_processes(self) -> list[ClusterProcess]:
+        """Children that have exited (none should, while the cluster runs)."""
+        return [p for p in self.procs.values() if p.popen is not None and p.popen.poll() is not None]
+
+    def check(self) -> None:
+        """Raise ClusterError if any child has exited."""
+        dead = self.dead_processes()
+        if dead:
+            self._failed = True
+            raise ClusterError("; ".join(f"{p.name} ({p.address}) {p.describe_exit()}" for p in dead))
+
+    def monitor(self, poll_s: float = 0.5) -> None:
+        """Block until ``stop_requested`` is set (returns) or a child exits (raises ClusterError)."""
+        while not self.stop_requested.wait(poll_s):
+            self.check()
+
+    def stop(self) -> None:
+        """Stop the router, then every engine: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
+        routers = [p for p in self.procs.values() if p.role == "router"]
+        _terminate(routers, self.grace_s)
+        _terminate(self.engines, self.grace_s)
+        if self._own_log_dir and not self._failed:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def table(self) -> str:
+        rows = [("NAME", "ROLE", "GRPC", "METRICS", "PID")]
+        for p in self.procs.values():
+            metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else "-"
+            rows.append((p.name, p.role, p.address, metrics, str(p.pid)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _terminate(procs: Iterable[ClusterProcess], grace_s: float) -> None:
+    """SIGTERM every live process, wait up to ``grace_s`` for all of them, SIGKILL the rest."""
+    live = [p for p in procs if p.alive]
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            proc.popen.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in live:
+        if proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.popen.kill()
+            proc.popen.wait()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode engines")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address of every process")
+    parser.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
+    parser.add_argument(
+        "--base-port", type=int, default=None, help="process k (router 0, then engines) gets B+2k, metrics B+2k+1"
+    )
+    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
+    parser.add_argument("--engine-args", default="", help='extra engine arguments, e.g. "--num-blocks 512"')
+    parser.add_argument("--router-args", default="", help='extra router arguments, e.g. "--max-inflight 64"')
+    parser.add_argument("--log-dir", default=None, help="where each process's log goes (default: a temp dir)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+
+
+def main(args: argparse.Namespace) -> int:
+    def say(message: str) -> None:
+        print(f"[cluster] {message}", flush=True)
+
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
+    try:
+        cluster = LocalCluster(
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            model=args.model,
+            host=args.host,
+            router_port=args.port,
+            base_port=args.base_port,
+            kv_transport=args.kv_transport,
+            policy=args.policy,
+            engine_args=shlex.split(args.engine_args),
+            router_args=shlex.split(args.router_args),
+            log_dir=log_dir,
+            log_level=getattr(args, "log_level", "INFO") if getattr(args, "log_level", "WARNING") != "WARNING" else "INFO",
+            startup_timeout_s=args.startup_timeout,
+            grace_s=args.grace,
+            progress=say,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def request_stop(signum: int, frame: object) -> None:
+        cluster.stop_requested.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    model = args.model or "bundled SmolLM2-135M-Instruct"
+    say(f"starting {args.prefill} prefill + {args.decode} decode engines ({model}); logs in {log_dir}")
+    code = 0
+    try:
+        cluster.start()
+        print(cluster.table(), flush=True)
+        print(f"pdserve cluster ready: router on {cluster.router_address} (Ctrl-C to stop)", flush=True)
+        cluster.monitor()
+        say("stopping")
+    except ClusterStopped:
+        say("stop requested during start-up; stopping")
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        for proc in cluster.dead_processes():
+            tail = proc.log_tail()
+            if tail:
+                print(f"--- last lines of {proc.log_path}:\n{tail}", file=sys.stderr, flush=True)
+        say("stopping the other processes")
+        code = 1
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    say("all processes stopped")
+    return code

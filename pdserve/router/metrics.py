@@ -1,0 +1,40 @@
+"""Prometheus metrics of the router: requests, TTFT, inter-token latency, transfer time, load."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdserve_router_requests", "Requests by how they ended", ["finish_reason"], registry=self.registry
+        )
+        self.rejected = Counter("pdserve_router_rejected", "Requests refused", ["code"], registry=self.registry)
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.itl = Histogram(
+            "pdserve_router_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.transfer = Histogram(
+            "pdserve_router_transfer_seconds",
+            "Prefill's first token -> decode's first token (KV pull + first decode step)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "pdserve_router_engine_in_flight", "Requests in flight per engine", ["role", "engine"], registry=self.registry
+        )
+        self.healthy = Gauge(
+            "pdserve_router_engine_healthy", "1 if the engine is in rotation", ["role", "engine"], registry=self.registry
+        )
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)

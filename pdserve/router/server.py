@@ -1,0 +1,92 @@
+"""``pdserve router``: the gRPC front door of a P/D cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.router.engines import EnginePool
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import POLICIES, RoutingPolicy
+from pdserve.router.service import RouterServicer
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+STARTUP_WAIT_S = 600.0
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--prefill", default="", help="comma-separated prefill engine addresses")
+    parser.add_argument("--decode", required=True, help="comma-separated decode engine addresses")
+    parser.add_argument("--model", default=None, help="the engines' model, for its tokenizer (default: bundled)")
+    parser.add_argument("--policy", default="prefix", choices=POLICIES)
+    parser.add_argument(
+        "--disagg-min-tokens",
+        type=int,
+        default=32,
+        help="prompts with fewer uncached tokens than this skip prefill and run on decode (0: always P/D)",
+    )
+    parser.add_argument("--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED")
+
+
+async def serve_router(args: argparse.Namespace) -> None:
+    from pdserve.engine.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    pool = EnginePool(_addresses(args.prefill), _addresses(args.decode))
+    metrics = RouterMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.host, args.metrics_port)
+    servicer = RouterServicer(
+        pool, tokenizer, RoutingPolicy(args.policy), metrics, args.disagg_min_tokens, args.max_inflight
+    )
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (ROUTER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{args.host}:{args.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    for service in ("", ROUTER_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    pool.start()
+    # SERVING once at least one decode engine answers (a router with no engine serves nothing).
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_WAIT_S
+    while not pool.of_role("decode") and loop.time() < deadline:
+        await asyncio.sleep(0.2)
+    for service in ("", ROUTER_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("router serving on %s (%d engines, policy %s)", address, len(pool.engines), args.policy)
+    print(f"pdserve router ready on {address}", flush=True)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(5.0)
+    await pool.close()
+
+
+def _addresses(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def main(args: argparse.Namespace) -> int:
+    asyncio.run(serve_router(args))
+    return 0

@@ -1,0 +1,356 @@
+"""The router's gRPC service: validate, route to prefill then decode, stream, abort.
+
+A request's path: tokenize and validate; pick a prefill engine (policy) and ask it for the
+first token with ``do_remote_decode``; stream that token to the client at once (TTFT does not
+wait for the KV transfer); pick a decode engine and send it the prompt + first token + the
+prefill's ``kv_transfer_params``; stream decode's tokens. A prompt whose uncached part is short
+goes straight to a decode engine (conditional disaggregation). Whatever ends the request early
+(client cancel, deadline, an engine failure) aborts it on every engine it touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.engine.kv_cache import hash_request_blocks
+from pdserve.engine.model.tokenizer import Tokenizer
+from pdserve.engine.request import SamplingParams, validate_prompt
+from pdserve.router.engines import EngineHandle, EnginePool
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import RoutingPolicy
+from pdserve.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from pdserve.wire import sampling_from_proto, sampling_to_proto
+
+logger = logging.getLogger(__name__)
+
+# A prompt (text) longer than this many bytes is refused before tokenizing it.
+MAX_PROMPT_BYTES = 1 << 20
+ENGINE_RPC_TIMEOUT_S = 600.0
+
+
+class RouterError(Exception):
+    """Ends a request with a status code (raised inside the request path)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class LiveRequest:
+    request_id: str
+    arrival: float
+    engines: list[EngineHandle] = field(default_factory=list)  # every engine it was sent to
+    aborted: bool = False
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        self.token_ids.extend(new_ids)
+        full = self.tokenizer.decode(self.token_ids)
+        if full.endswith("\ufffd") and not final:
+            return ""
+        delta, self.text = full[len(self.text) :], full
+        return delta
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self,
+        pool: EnginePool,
+        tokenizer: Tokenizer,
+        policy: RoutingPolicy,
+        metrics: RouterMetrics,
+        disagg_min_tokens: int,
+        max_inflight: int,
+    ) -> None:
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.metrics = metrics
+        self.disagg_min_tokens = disagg_min_tokens
+        self.max_inflight = max_inflight
+        self.live: dict[str, LiveRequest] = {}
+
+    # ------------------------------------------------------------------ validation
+
+    def _limits(self) -> tuple[int, int, int]:
+        """(vocab_size, max_model_len, block_size) from the engines (the strictest)."""
+        infos = [e.info for e in self.pool.engines if e.info is not None]
+        if not infos:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no engine has come up yet")
+        return (
+            min(i.vocab_size for i in infos),
+            min(i.max_model_len for i in infos),
+            infos[0].block_size,
+        )
+
+    def _validate(self, request: router_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        vocab_size, max_model_len, _ = self._limits()
+        if request.prompt and request.prompt_token_ids:
+            raise ValueError("give either prompt or prompt_token_ids, not both")
+        if len(request.prompt.encode()) > MAX_PROMPT_BYTES:
+            raise ValueError(f"prompt: {len(request.prompt.encode())} bytes is over the {MAX_PROMPT_BYTES}-byte limit")
+        if request.prompt:
+            text = request.prompt
+            if request.apply_chat_template:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            tokens = self.tokenizer.encode(text)
+        else:
+            tokens = [int(t) for t in request.prompt_token_ids]
+        validate_prompt(tokens, max_model_len, vocab_size)
+        sampling = sampling_from_proto(request.sampling)
+        sampling.validate(vocab_size)
+        return tokens, sampling
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            tokens, sampling = self._validate(request)
+        except ValueError as exc:
+            self.metrics.rejected.labels(code="INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouterError as exc:
+            await context.abort(exc.code, str(exc))
+        if request_id in self.live:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
+        if len(self.live) >= self.max_inflight:
+            self.metrics.rejected.labels(code="RESOURCE_EXHAUSTED").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router is at its limit of {self.max_inflight} requests in flight; retry later",
+            )
+        live = LiveRequest(request_id, time.perf_counter())
+        self.live[request_id] = live
+        finished = False
+        try:
+            async for response in self._run(live, tokens, sampling, request.priority, context):
+                finished = bool(response.finish_reason)
+                yield response
+        except RouterError as exc:
+            logger.warning("%s: %s", request_id, exc)
+            self.metrics.requests.labels(finish_reason=exc.code.name.lower()).inc()
+            await context.abort(exc.code, str(exc))
+        finally:
+            self.live.pop(request_id, None)
+            if not finished:
+                # Cancelled, timed out or failed: nothing may stay allocated anywhere.
+                await asyncio.shield(self._abort_on_engines(live))
+
+    async def _run(
+        self,
+        live: LiveRequest,
+        tokens: list[int],
+        sampling: SamplingParams,
+        priority: int,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        _, _, block_size = self._limits()
+        block_hashes = hash_request_blocks(tokens, block_size, [])
+        timings: dict = {"queue_ms": (time.perf_counter() - live.arrival) * 1e3, "num_prompt_tokens": len(tokens)}
+        detok = IncrementalDetokenizer(self.tokenizer)
+        prefills = self.pool.of_role("prefill")
+        decodes = self.pool.of_role("decode")
+        if not decodes:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode engine")
+        decode_hit = max(d.cached_prefix_blocks(block_hashes) for d in decodes) * block_size
+        direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
+        timeout = context.time_remaining() or ENGINE_RPC_TIMEOUT_S
+
+        if direct:
+            stage = self._stream_stage(live, "decode", tokens, sampling, priority, None, block_hashes, timeout)
+            async for response, _ in self._relay(live, stage, detok, timings, first_stage=True):
+                yield response
+            return
+
+        # Prefill: the first token and the held blocks' address.
+        prefill_sampling = dataclasses.replace(sampling, max_tokens=1)
+        remote = sampling.max_tokens > 1
+        kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
+        stage = self._stream_stage(live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout)
+        first: engine_pb2.EngineGenerateResponse | None = None
+        async for response, message in self._relay(live, stage, detok, timings, first_stage=True, last_stage=not remote):
+            first = message
+            yield response
+        if first is None or first.finish_reason != "length" or not remote:
+            return  # stopped at the first token (EOS / stop token) or max_tokens == 1
+        if live.aborted:
+            raise RouterError(grpc.StatusCode.CANCELLED, "aborted")
+        prefill_done = time.perf_counter()
+
+        # Decode: pulls the blocks, continues after the first token.
+        decode_sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - 1)
+        stage = self._stream_stage(
+            live,
+            "decode",
+            tokens + list(first.token_ids),
+            decode_sampling,
+            priority,
+            first.kv_transfer_params,
+            block_hashes,
+            context.time_remaining() or ENGINE_RPC_TIMEOUT_S,
+        )
+        async for response, _ in self._relay(live, stage, detok, timings, first_stage=False, prefill_done=prefill_done):
+            yield response
+
+    async def _stream_stage(
+        self,
+        live: LiveRequest,
+        role: str,
+        tokens: list[int],
+        sampling: SamplingParams,
+        priority: int,
+        kv: common_pb2.KVTransferParams | None,
+        block_hashes: list,
+        timeout: float,
+    ) -> AsyncIterator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse]]:
+        """Run one stage on an engine of ``role``; retried once elsewhere if the engine was
+        unreachable before it produced anything."""
+        tried: set[str] = set()
+        while True:
+            candidates = [e for e in self.pool.of_role(role) if e.address not in tried]
+            if not candidates:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} engine")
+            engine = self.policy.pick(candidates, block_hashes)
+            tried.add(engine.address)
+            live.engines.append(engine)
+            engine.in_flight += 1
+            self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
+            produced = False
+            try:
+                call = engine.stub.Generate(
+                    engine_pb2.EngineGenerateRequest(
+                        request_id=live.request_id,
+                        prompt_token_ids=tokens,
+                        sampling=sampling_to_proto(sampling),
+                        priority=priority,
+                        kv_transfer_params=kv,
+                    ),
+                    timeout=timeout,
+                )
+                async for message in call:
+                    produced = True
+                    yield engine, message
+                engine.remember_blocks(block_hashes)
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    engine.mark_down(exc.details() or "unreachable")
+                    if not produced and len(tried) < 2:
+                        logger.warning("%s: %s engine %s unreachable, retrying elsewhere", live.request_id, role, engine.address)
+                        continue
+                raise RouterError(code, f"{role} engine {engine.address}: {exc.details()}") from None
+            finally:
+                engine.in_flight -= 1
+                self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
+
+    async def _relay(
+        self,
+        live: LiveRequest,
+        stage: AsyncIterator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse]],
+        detok: IncrementalDetokenizer,
+        timings: dict[str, float],
+        first_stage: bool,
+        last_stage: bool = True,
+        prefill_done: float | None = None,
+    ) -> AsyncIterator[tuple[router_pb2.GenerateResponse, engine_pb2.EngineGenerateResponse]]:
+        """Turn engine messages into router messages (text deltas, metrics on the last one).
+
+        A non-last stage (prefill before decode) ends the request only if it finished for
+        another reason than handing over (``length`` after its one token): EOS, stop, abort.
+        """
+        stage_start = time.perf_counter()
+        last_token_at: float | None = None
+        async for engine, message in stage:
+            now = time.perf_counter()
+            tokens = list(message.token_ids)
+            if tokens:
+                if first_stage and "ttft_ms" not in timings:
+                    timings["ttft_ms"] = (now - live.arrival) * 1e3
+                    timings["prefill_ms"] = (now - stage_start) * 1e3
+                    self.metrics.ttft.observe(now - live.arrival)
+                if prefill_done is not None and "transfer_ms" not in timings:
+                    timings["transfer_ms"] = (now - prefill_done) * 1e3
+                    self.metrics.transfer.observe(now - prefill_done)
+                if last_token_at is not None:
+                    self.metrics.itl.observe(now - last_token_at)
+                last_token_at = now
+            timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
+            timings["num_cached_tokens"] = max(timings.get("num_cached_tokens", 0), message.num_cached_tokens)
+            final = bool(message.finish_reason) and (last_stage or message.finish_reason != "length")
+            out = router_pb2.GenerateResponse(
+                request_id=live.request_id,
+                token_ids=tokens,
+                text=detok.push(tokens, final=final),
+                finish_reason=message.finish_reason if final else "",
+            )
+            if final:
+                if prefill_done is not None:
+                    timings["decode_ms"] = (now - prefill_done) * 1e3
+                out.metrics.CopyFrom(_metrics(timings))
+                self.metrics.requests.labels(finish_reason=message.finish_reason).inc()
+            yield out, message
+
+    async def _abort_on_engines(self, live: LiveRequest) -> None:
+        for engine in {e.address: e for e in live.engines}.values():
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                await engine.stub.Abort(common_pb2.AbortRequest(request_id=live.request_id), timeout=2.0)
+        if live.engines:
+            logger.info("%s: aborted on %s", live.request_id, [e.address for e in live.engines])
+
+    # ------------------------------------------------------------------ Abort, Stats
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        live = self.live.get(request.request_id)
+        if live is None:
+            return common_pb2.AbortResponse(found=False)
+        live.aborted = True
+        await self._abort_on_engines(live)
+        return common_pb2.AbortResponse(found=True)
+
+    async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        async def one(engine: EngineHandle) -> common_pb2.EngineStats:
+            if engine.healthy:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    stats = await engine.stub.Stats(common_pb2.StatsRequest(), timeout=2.0)
+                    stats.role, stats.address = engine.role, engine.address
+                    return stats
+            return common_pb2.EngineStats(role=engine.role, address=engine.address, healthy=False)
+
+        stats = await asyncio.gather(*(one(e) for e in self.pool.engines))
+        for engine in self.pool.engines:
+            self.metrics.healthy.labels(role=engine.role, engine=engine.address).set(int(engine.healthy))
+        return router_pb2.RouterStats(engines=stats)
+
+
+def _metrics(timings: dict) -> router_pb2.RequestMetrics:
+    return router_pb2.RequestMetrics(
+        ttft_ms=timings.get("ttft_ms", 0.0),
+        prefill_ms=timings.get("prefill_ms", 0.0),
+        transfer_ms=timings.get("transfer_ms", 0.0),
+        decode_ms=timings.get("decode_ms", 0.0),
+        queue_ms=timings.get("queue_ms", 0.0),
+        prefill_engine=str(timings.get("prefill_engine", "")),
+        decode_engine=str(timings.get("decode_engine", "")),
+        num_cached_tokens=int(timings.get("num_cached_tokens", 0)),
+        num_prompt_tokens=int(timings.get("num_prompt_tokens", 0)),
+    )
