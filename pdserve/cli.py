@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     router_server.add_args(router)
     router.set_defaults(func=router_server.main)
 
+    from pdserve import cluster
+
+    local = sub.add_parser("cluster", help="run a router + prefill + decode engines as local processes")
+    cluster.add_args(local)
+    local.set_defaults(func=cluster.main)
+
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels)")
     bench.add_argument("what", choices=["engine", "transfer", "kernels"])
     bench.set_defaults(func=_bench)

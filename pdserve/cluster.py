@@ -216,7 +216,11 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start the engines, wait until they are healthy, then the same for the router."""
-        names = [f"{role}-{i}" for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)) for i in range(n)]
+        names = [
+            f"{role}-{i}"
+            for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode))
+            for i in range(n)
+        ]
         self._start_and_wait([(name, name.split("-")[0]) for name in names], first_index=1)
         self._start_and_wait([("router", "router")], first_index=0)
 
@@ -226,8 +230,6 @@ class LocalCluster:
             ports = self._ports(members, first_index)
             pending = []
             for (name, role), (port, metrics_port) in zip(members, ports, strict=True):
-                if attempt > 1 and name not in self.procs:
-                    continue  # it started fine in an earlier attempt
                 proc = self._spawn(name, role, port, metrics_port)
                 self.progress(f"starting {name} on {proc.address} (log: {proc.log_path})")
                 pending.append(proc)
@@ -253,7 +255,10 @@ class LocalCluster:
             free = pick_free_ports(self.host, 2 * len(members))
             ports = [(free[2 * i], free[2 * i + 1]) for i in range(len(members))]
         if self.router_port is not None:
-            ports = [(self.router_port, mp) if role == "router" else (p, mp) for (p, mp), (_, role) in zip(ports, members, strict=True)]
+            ports = [
+                (self.router_port, mp) if role == "router" else (p, mp)
+                for (p, mp), (_, role) in zip(ports, members, strict=True)
+            ]
         return ports
 
     def _engine_index(self, name: str) -> int:
@@ -263,8 +268,13 @@ class LocalCluster:
     def _argv(self, role: str, port: int, metrics_port: int) -> list[str]:
         argv = ["-m", "pdserve", "--log-level", self.log_level, role]
         if role == "router":
-            argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
-            argv += ["--prefill", ",".join(self.prefill_addresses), "--decode", ",".join(self.decode_addresses)]
+            argv += ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port)]
+            argv += [
+                "--prefill",
+                ",".join(self.prefill_addresses),
+                "--decode",
+                ",".join(self.decode_addresses),
+            ]
             if self.policy:
                 argv += ["--policy", self.policy]
             if self.model:
@@ -320,7 +330,9 @@ class LocalCluster:
                         pending.remove(proc)
                         continue
                     self._failed = True
-                    raise ClusterError(f"{proc.name} {proc.describe_exit()} during start-up; its log:\n{tail}")
+                    raise ClusterError(
+                        f"{proc.name} {proc.describe_exit()} during start-up; its log:\n{tail}"
+                    )
                 if check_health(proc.address, timeout_s=0.5):
                     pending.remove(proc)
                     self.progress(f"{proc.name} ready on {proc.address} ({time.monotonic() - started:.1f}s)")
@@ -328,7 +340,9 @@ class LocalCluster:
             if pending and elapsed > self.startup_timeout_s:
                 self._failed = True
                 names = ", ".join(p.name for p in pending)
-                raise ClusterError(f"{names} not healthy after {self.startup_timeout_s:.0f}s (logs in {self.log_dir})")
+                raise ClusterError(
+                    f"{names} not healthy after {self.startup_timeout_s:.0f}s (logs in {self.log_dir})"
+                )
             if pending and time.monotonic() - last_progress >= _PROGRESS_EVERY_S:
                 last_progress = time.monotonic()
                 self.progress(f"waiting for {', '.join(p.name for p in pending)} ({elapsed:.0f}s)")
@@ -366,7 +380,9 @@ class LocalCluster:
             metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else "-"
             rows.append((p.name, p.role, p.address, metrics, str(p.pid)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+        )
 
 
 def _terminate(procs: Iterable[ClusterProcess], grace_s: float) -> None:
@@ -392,18 +408,25 @@ def _terminate(procs: Iterable[ClusterProcess], grace_s: float) -> None:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     parser.add_argument("--decode", type=int, default=1, help="number of decode engines")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     parser.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
     parser.add_argument(
-        "--base-port", type=int, default=None, help="process k (router 0, then engines) gets B+2k, metrics B+2k+1"
+        "--base-port",
+        type=int,
+        default=None,
+        help="process k (router 0, then engines) gets B+2k, metrics B+2k+1",
     )
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
     parser.add_argument("--engine-args", default="", help='extra engine arguments, e.g. "--num-blocks 512"')
     parser.add_argument("--router-args", default="", help='extra router arguments, e.g. "--max-inflight 64"')
     parser.add_argument("--log-dir", default=None, help="where each process's log goes (default: a temp dir)")
-    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument(
+        "--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL"
+    )
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
 
 
@@ -425,7 +448,8 @@ def main(args: argparse.Namespace) -> int:
             engine_args=shlex.split(args.engine_args),
             router_args=shlex.split(args.router_args),
             log_dir=log_dir,
-            log_level=getattr(args, "log_level", "INFO") if getattr(args, "log_level", "WARNING") != "WARNING" else "INFO",
+            # The children log to files: INFO there costs the terminal nothing.
+            log_level="DEBUG" if str(getattr(args, "log_level", "")).upper() == "DEBUG" else "INFO",
             startup_timeout_s=args.startup_timeout,
             grace_s=args.grace,
             progress=say,

@@ -136,15 +136,15 @@ def _paged_context(
     Returns ``(layer_view, clean_layer64, block_tables)``: the (non-contiguous) layer view the
     kernel reads, NaN everywhere except at context positions, and the same layer in float64
     with zeros in place of NaN for the reference (whose batched masking would spread NaN).
-    Unused block-table entries point at a spare block that is all NaN.
+    Unused block-table entries point at block 0, which no sequence uses and is all NaN: a
+    kernel that masks a block-table load to 0 but reads through it unmasked sees NaN too.
     """
     blocks_per_seq = [max(1, math.ceil(n / block_size)) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     cache = torch.full((num_blocks, 3, 2, block_size, num_kv_heads, head_dim), math.nan, dtype=dtype)
     layer = cache[:, 1]
-    perm = torch.randperm(num_blocks, generator=gen)
-    spare = int(perm[-1])
-    tables = torch.full((len(seq_lens), max(blocks_per_seq) + 1), spare, dtype=torch.int32)
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros((len(seq_lens), max(blocks_per_seq) + 1), dtype=torch.int32)
     used = 0
     for seq, seq_len in enumerate(seq_lens):
         ids = perm[used : used + blocks_per_seq[seq]]

@@ -159,7 +159,7 @@ class PDConnector(KVConnectorBase):
             spec=self.spec,
             host=self.config.host,
             transfer_timeout_s=self.config.transfer_timeout_s,
-            **self.config.extra.get("transport_options", {}),
+            **_transport_options(self.config),
         )
         if self.is_producer:
             self.side_channel = SideChannelServer(
@@ -266,6 +266,16 @@ class PDConnector(KVConnectorBase):
             self.side_channel.close()
         if self.transport is not None:
             self.transport.close()
+
+
+def _transport_options(config: KVTransferConfig) -> dict[str, Any]:
+    """Transport constructor options from the JSON-able config (``extra["transport_options"]``)."""
+    options = dict(config.extra.get("transport_options", {}))
+    if isinstance(options.get("fault"), dict):  # fault injection for reliability tests (tcp only)
+        from pdserve.connector.transports.tcp import TcpFault
+
+        options["fault"] = TcpFault(**options["fault"])
+    return options
 
 
 def _id_list(message: dict[str, Any]) -> list[str]:

@@ -121,6 +121,7 @@ class TransferWorker:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._invalid: set[int] = set()
+        self._last_error = ""
         self._counters = {"num_loads_ok": 0, "num_loads_failed": 0, "num_blocks_pulled": 0, "transfer_seconds": 0.0}
         self.records: deque[TransferRecord] = deque(maxlen=4096)
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -144,10 +145,10 @@ class TransferWorker:
             invalid, self._invalid = self._invalid, set()
         return done, invalid
 
-    def counters(self) -> dict[str, float]:
-        """Totals over every load this worker finished (for Stats and metrics)."""
+    def counters(self) -> dict[str, Any]:
+        """Totals over every load this worker finished, and the last failure (for Stats)."""
         with self._lock:
-            return dict(self._counters)
+            return {**self._counters, "last_load_error": self._last_error}
 
     def close(self) -> None:
         self._stop.set()
@@ -277,6 +278,7 @@ class TransferWorker:
                 self._counters["transfer_seconds"] += seconds
             else:
                 self._counters["num_loads_failed"] += 1
+                self._last_error = error or "unknown error"
                 self._invalid.update(job.local_block_ids)
 
     def _notify(self, remote: RemoteRef, kind: str, request_ids: list[str]) -> None:

@@ -268,4 +268,23 @@ def build_model(
         model.to(dtype)
     model.eval()
     model.requires_grad_(False)
+    use_kn_weight_layout(model)
     return model
+
+
+def use_kn_weight_layout(model: LlamaForCausalLM) -> None:
+    """Store each decoder-layer projection as ``[in, out]`` in memory, seen as ``[out, in]``.
+
+    Same values, same shapes, same state-dict names; only the strides change. With ``x @ W``
+    instead of ``x @ W.T``, MKL's sgemm runs skinny batches (decode: 8-64 rows) 1.2-2x faster on
+    CPU, and large prefill batches at the same speed. The LM head keeps its layout: it is the
+    embedding table when tied, and at 49k rows it is bound by memory, not by the kernel.
+    """
+    for layer in model.model.layers:
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t(), requires_grad=False)
