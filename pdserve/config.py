@@ -106,7 +106,10 @@ class KVTransferConfig:
     role: str = "both"
     transport: str = "auto"
     engine_id: str = ""
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address of the side channel and the tcp transport
+    # The address peers should use to reach this engine (a container's service name, say);
+    # defaults to ``host``.
+    advertise_host: str | None = None
     side_channel_port: int = 0  # 0: pick a free port at start-up
     # Prefill holds finished requests' blocks this long unless decode renews or releases them.
     lease_ms: int = 30_000
@@ -122,5 +125,11 @@ class KVTransferConfig:
         _require_positive(lease_ms=self.lease_ms)
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s!r}")
+        if self.host in ("0.0.0.0", "::") and not self.advertise_host:
+            raise ValueError(f"advertise_host is required when host is the wildcard {self.host!r}")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port must be in [0, 65535], got {self.side_channel_port}")
+
+    @property
+    def reachable_host(self) -> str:
+        return self.advertise_host or self.host

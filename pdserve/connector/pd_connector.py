@@ -135,7 +135,7 @@ class PDConnector(KVConnectorBase):
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
             "remote_instance_id": self.instance_id,
-            "remote_host": self.config.host,
+            "remote_host": self.config.reachable_host,
             "remote_port": self.side_channel.port,
             "remote_request_id": req_id,
             "remote_block_ids": held,
@@ -158,6 +158,7 @@ class PDConnector(KVConnectorBase):
             engine_id=f"{self.engine_id}/{self.instance_id}",
             spec=self.spec,
             host=self.config.host,
+            advertise_host=self.config.advertise_host,
             transfer_timeout_s=self.config.transfer_timeout_s,
             **_transport_options(self.config),
         )
@@ -256,7 +257,7 @@ class PDConnector(KVConnectorBase):
             "engine_id": self.engine_id,
             "role": self.config.role,
             "transport": self.transport.name if self.transport else None,
-            "side_channel": f"{self.config.host}:{self.side_channel.port}" if self.side_channel else None,
+            "side_channel": f"{self.config.reachable_host}:{self.side_channel.port}" if self.side_channel else None,
         }
 
     def shutdown(self) -> None:

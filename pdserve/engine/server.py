@@ -189,6 +189,9 @@ async def serve_engine(config: EngineConfig, role: str, host: str, port: int, me
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (gRPC, metrics, KV side channel)")
+    parser.add_argument(
+        "--advertise-host", default=None, help="address peers use to reach this engine's KV (default: --host)"
+    )
     parser.add_argument("--port", type=int, required=True, help="gRPC port")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
@@ -220,6 +223,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
             transport=args.kv_transport,
             engine_id=args.engine_id,
             host=args.host,
+            advertise_host=args.advertise_host,
             side_channel_port=args.kv_port,
             lease_ms=args.lease_ms,
             transfer_timeout_s=args.transfer_timeout_s,

@@ -114,4 +114,5 @@ def create_transport(name: str, kv_cache: Any, **kwargs: Any) -> KVTransport:
     cls = transport_class(name)
     if cls.name != "tcp":
         kwargs.pop("host", None)
+        kwargs.pop("advertise_host", None)
     return cls(kv_cache, **kwargs)

@@ -1,0 +1,382 @@
+"""End to end through gRPC: client -> router -> prefill engine -> KV transfer -> decode engine.
+
+Every process is real (``LocalCluster``: ``pdserve prefill|decode|router`` as subprocesses on
+ports picked free at run time), on the tiny model. Greedy outputs must equal the colocated
+engine's; the first token must reach the client before decode has done anything; an abort or
+a cancel must leave no KV block referenced or held on any engine; a dead engine must give
+UNAVAILABLE rather than a hang; bad input must give INVALID_ARGUMENT with a clear message.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from pdserve.cluster import ClusterError, LocalCluster, pick_free_ports
+from pdserve.engine.request import SamplingParams
+from tests.cluster_helpers import TINY_ENGINE_ARGS, frozen, is_idle, next_within, pid_gone, wait_idle
+from tests.text_corpus import prompts_of_lengths
+
+MAX_TOKENS = 8
+# Short prompts run on decode alone (conditional disaggregation), the rest go through prefill.
+PROMPT_LENGTHS = [3, 9, 16, 17, 31, 33, 40, 48, 64, 80, 100, 150, 230, 333, 500, 700]
+# A bound for calls that must fail fast or finish; hitting it (DEADLINE_EXCEEDED) is a hang.
+CALL_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llm) -> list[list[int]]:
+    return prompts_of_lengths(tiny_llm.tokenizer, PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llm, prompts) -> list[list[int]]:
+    completions = tiny_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [c.token_ids for c in completions]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    """1 prefill + 1 decode (transport ``auto``): shared by every test that leaves it intact."""
+    with LocalCluster(1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router_address) as c:
+        yield c
+
+
+def _generate_all(client: Client, prompts: list[list[int]]) -> list:
+    """Send every prompt at once, one thread each."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [
+            pool.submit(
+                client.generate,
+                prompt_token_ids=p,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                timeout=CALL_TIMEOUT_S,
+            )
+            for p in prompts
+        ]
+        return [f.result() for f in futures]
+
+
+def _long_prompt(prompts: list[list[int]]) -> list[int]:
+    """A prompt well above the disaggregation threshold, so it goes through prefill."""
+    return prompts[PROMPT_LENGTHS.index(80)]
+
+
+def _assert_all_idle(client: Client, roles: tuple[str, ...] = ("prefill", "decode")) -> None:
+    stats = wait_idle(client, roles=roles)
+    assert stats and all(is_idle(s) for s in stats), stats
+
+
+# ---------------------------------------------------------------------- correctness
+
+
+def test_1p1d_greedy_matches_colocated_for_16_concurrent_prompts(client, cluster, prompts, expected):
+    completions = _generate_all(client, prompts)
+    assert [c.token_ids for c in completions] == expected
+    assert all(c.finish_reason == "length" for c in completions)
+    disaggregated = [c for c in completions if c.metrics["prefill_engine"]]
+    assert disaggregated, "no prompt went through the prefill engine"
+    for c in disaggregated:
+        assert c.metrics["prefill_engine"] == cluster.prefill_addresses[0]
+        assert c.metrics["decode_engine"] == cluster.decode_addresses[0]
+        assert c.metrics["ttft_ms"] > 0 and c.metrics["transfer_ms"] > 0
+    _assert_all_idle(client)
+
+
+def test_2p2d_greedy_matches_colocated_and_spreads_over_engines(tiny_model_dir, prompts, expected):
+    with (
+        LocalCluster(
+            2,
+            2,
+            model=tiny_model_dir,
+            kv_transport="tcp",
+            policy="round_robin",
+            engine_args=TINY_ENGINE_ARGS,
+            router_args=["--disagg-min-tokens", "0"],  # every prompt through prefill
+        ) as cluster,
+        Client(cluster.router_address) as client,
+    ):
+        completions = _generate_all(client, prompts)
+        assert [c.token_ids for c in completions] == expected
+        assert {c.metrics["prefill_engine"] for c in completions} == set(cluster.prefill_addresses)
+        assert {c.metrics["decode_engine"] for c in completions} <= set(cluster.decode_addresses)
+        stats = wait_idle(client)
+        assert len(stats) == 4 and all(is_idle(s) for s in stats), stats
+
+
+# ---------------------------------------------------------------------- streaming order
+
+
+def test_first_token_reaches_client_while_decode_engine_is_frozen(client, cluster, prompts, expected):
+    """TTFT does not wait for the KV transfer: with the decode engine stopped (SIGSTOP), the
+    prefill's token still streams out; decode's tokens follow once it runs again."""
+    prompt = _long_prompt(prompts)
+    want = expected[PROMPT_LENGTHS.index(80)]
+    stream = client.stream(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=CALL_TIMEOUT_S)
+    with frozen(cluster.procs["decode-0"].pid):
+        first = next_within(stream, timeout_s=30.0)
+    rest = list(stream)
+    assert first.token_ids == want[:1]
+    assert first.finish_reason is None and first.metrics == {}
+    assert rest, "decode's tokens never came"
+    assert [t for d in rest for t in d.token_ids] == want[1:]
+    assert all(d.finish_reason is None for d in rest[:-1]) and rest[-1].finish_reason == "length"
+    metrics = rest[-1].metrics
+    assert metrics["prefill_engine"] == cluster.prefill_addresses[0]
+    assert metrics["decode_engine"] == cluster.decode_addresses[0]
+    _assert_all_idle(client)
+
+
+# ---------------------------------------------------------------------- abort
+
+
+def _drain(stream) -> tuple[list[int], str | None, grpc.StatusCode | None]:
+    tokens, finish_reason = [], None
+    try:
+        for delta in stream:
+            tokens += delta.token_ids
+            finish_reason = delta.finish_reason or finish_reason
+    except grpc.RpcError as exc:
+        return tokens, finish_reason, exc.code()
+    return tokens, finish_reason, None
+
+
+@pytest.mark.parametrize("how", ["abort_rpc", "close_stream"])
+def test_abort_mid_stream_frees_blocks_on_both_engines(client, prompts, how):
+    request_id = f"abort-mid-stream-{how}"
+    max_tokens = 900
+    stream = client.stream(
+        prompt_token_ids=_long_prompt(prompts),
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        request_id=request_id,
+        timeout=CALL_TIMEOUT_S,
+    )
+    received = [next_within(stream, 30.0) for _ in range(3)]  # the prefill's token, then decode's
+    assert sum(len(d.token_ids) for d in received) >= 3
+    if how == "abort_rpc":
+        assert client.abort(request_id) is True
+        tokens, finish_reason, code = _drain(stream)
+        assert finish_reason != "length" and len(tokens) + 3 < max_tokens
+        assert finish_reason == "abort" or code == grpc.StatusCode.CANCELLED, (finish_reason, code)
+    else:
+        stream.close()
+    _assert_all_idle(client)
+    assert client.abort(request_id) is False  # the router has forgotten it
+
+
+def test_abort_during_handover_frees_blocks_held_for_decode(client, cluster, prompts):
+    """Abort after the prefill finished (its blocks held under a lease) while the decode engine
+    cannot answer: the held blocks are freed by the abort, not by the lease running out."""
+    request_id = "abort-during-handover"
+    stream = client.stream(
+        prompt_token_ids=_long_prompt(prompts),
+        max_tokens=900,
+        ignore_eos=True,
+        request_id=request_id,
+        timeout=CALL_TIMEOUT_S,
+    )
+    with frozen(cluster.procs["decode-0"].pid):
+        first = next_within(stream, 30.0)
+        assert len(first.token_ids) == 1
+        assert client.abort(request_id, timeout=10.0) is True
+    tokens, finish_reason, code = _drain(stream)
+    assert finish_reason != "length", f"the aborted request ran to completion ({len(tokens)} more tokens)"
+    # wait_idle's 20 s bound is below the engines' 30 s default lease.
+    _assert_all_idle(client)
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _bad_inputs(vocab_size: int) -> dict[str, tuple[dict, str]]:
+    """{case: (generate kwargs, what the error message must mention)}."""
+    return {
+        "empty_prompt": ({"prompt": ""}, "empty"),
+        "empty_token_ids": ({"prompt_token_ids": []}, "empty"),
+        "prompt_too_long": ({"prompt_token_ids": [5] * 1024}, "max_model_len"),
+        "token_outside_vocab": ({"prompt_token_ids": [1, 2, vocab_size + 7]}, "vocabulary"),
+        "negative_temperature": ({"prompt": "Hello", "temperature": -1.0}, "temperature"),
+        "top_p_above_one": ({"prompt": "Hello", "top_p": 2.0}, "top_p"),
+        "top_p_zero": ({"prompt": "Hello", "top_p": 0.0}, "top_p"),
+        "bad_top_k": ({"prompt": "Hello", "top_k": -5}, "top_k"),
+        "stop_token_outside_vocab": ({"prompt": "Hello", "stop_token_ids": [vocab_size]}, "stop_token_ids"),
+        "several_mb_of_text": ({"prompt": "lorem ipsum " * 300_000}, "bytes"),
+        "two_million_token_ids": ({"prompt_token_ids": [5] * 2_000_000}, "max_model_len"),
+    }
+
+
+BAD_INPUT_CASES = list(_bad_inputs(0))
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_CASES)
+def test_bad_input_gives_invalid_argument_with_clear_message(client, tiny_llm, case):
+    kwargs, mentions = _bad_inputs(tiny_llm.tokenizer.vocab_size)[case]
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(max_tokens=4, timeout=CALL_TIMEOUT_S, **kwargs)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert mentions in info.value.details(), info.value.details()
+
+
+def test_cluster_still_serves_and_holds_no_blocks_after_bad_input(client, prompts, expected):
+    completion = client.generate(prompt_token_ids=prompts[-1], max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert completion.token_ids == expected[-1]
+    _assert_all_idle(client)
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, prompts):
+    with (
+        LocalCluster(1, 1, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS) as cluster,
+        Client(cluster.router_address) as client,
+    ):
+        decode = cluster.procs["decode-0"]
+        in_flight = client.stream(
+            prompt_token_ids=_long_prompt(prompts), max_tokens=900, ignore_eos=True, timeout=CALL_TIMEOUT_S
+        )
+        next_within(in_flight, 30.0)
+        next_within(in_flight, 30.0)  # decode is generating
+        decode.popen.kill()
+        decode.popen.wait()
+
+        _, finish_reason, code = _drain(in_flight)
+        assert code == grpc.StatusCode.UNAVAILABLE, (finish_reason, code)
+        for prompt in (_long_prompt(prompts), prompts[0]):  # through prefill, and decode-only
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout=CALL_TIMEOUT_S)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            assert "decode" in info.value.details()
+        # The surviving prefill engine holds nothing for the dead decode.
+        _assert_all_idle(client, roles=("prefill",))
+        decode_stats = [s for s in client.stats() if s["role"] == "decode"]
+        assert [s["healthy"] for s in decode_stats] == [False]
+        with pytest.raises(ClusterError, match="decode-0 .* was killed by SIGKILL"):
+            cluster.check()
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _start_command(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "cluster", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines
+
+
+def _read_until(lines: queue.Queue, pattern: str, timeout_s: float) -> tuple[re.Match | None, str]:
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match, "".join(seen)
+    return None, "".join(seen)
+
+
+def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir, tmp_path):
+    port = pick_free_ports("127.0.0.1", 1)[0]
+    proc, lines = _start_command(
+        [
+            "--model", tiny_model_dir,
+            "--port", str(port),
+            "--kv-transport", "tcp",
+            "--engine-args", " ".join(TINY_ENGINE_ARGS),
+            "--log-dir", str(tmp_path),
+        ]
+    )  # fmt: skip
+    try:
+        match, output = _read_until(lines, r"pdserve cluster ready: router on (\S+)", timeout_s=180)
+        assert match, output
+        assert match.group(1) == f"127.0.0.1:{port}"
+        for name in ("prefill-0", "decode-0", "router"):
+            assert re.search(rf"^{name}\s+\S+\s+127\.0\.0\.1:\d+\s+http://127\.0\.0\.1:\d+/metrics", output, re.M), output
+        with Client(match.group(1)) as client:
+            completion = client.generate(prompt="The capital of France is", max_tokens=4, timeout=CALL_TIMEOUT_S)
+        assert len(completion.token_ids) >= 1
+        family = _descendants(proc.pid)  # engines, their cores, the router
+        assert len(family) >= 5, family
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        match, output = _read_until(lines, r"all processes stopped", timeout_s=5)
+        assert match, output
+        deadline = time.monotonic() + 10
+        while not all(pid_gone(p) for p in family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(pid_gone(p) for p in family), [p for p in family if not pid_gone(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cluster_command_exits_nonzero_naming_the_engine_that_failed(tmp_path):
+    proc, lines = _start_command(["--model", str(tmp_path / "no-such-model"), "--log-dir", str(tmp_path)])
+    try:
+        code = proc.wait(timeout=120)
+        _, output = _read_until(lines, r"all processes stopped", timeout_s=5)
+        assert code == 1, output
+        assert re.search(r"error: (prefill|decode)-0 exited with code \d+ during start-up", output), output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not _descendants(proc.pid)
