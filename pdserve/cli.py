@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_args(role)
         role.set_defaults(func=module.main)
 
+    from pdserve.engine import server as engine_server
+
+    colocated = sub.add_parser("serve", help="run a colocated engine (no KV transfer) behind the Engine gRPC API")
+    engine_server.add_engine_args(colocated)
+    colocated.set_defaults(func=lambda args: engine_server.run_engine_server(args, role="colocated", kv_role=None))
+
     from pdserve.router import server as router_server
 
     router = sub.add_parser("router", help="run the gRPC router in front of prefill and decode engines")

@@ -130,7 +130,9 @@ def test_first_token_reaches_client_while_decode_engine_is_frozen(client, cluste
     prefill's token still streams out; decode's tokens follow once it runs again."""
     prompt = _long_prompt(prompts)
     want = expected[PROMPT_LENGTHS.index(80)]
-    stream = client.stream(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=CALL_TIMEOUT_S)
+    stream = client.stream(
+        prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=CALL_TIMEOUT_S
+    )
     with frozen(cluster.procs["decode-0"].pid):
         first = next_within(stream, timeout_s=30.0)
     rest = list(stream)
@@ -347,9 +349,13 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
         assert match, output
         assert match.group(1) == f"127.0.0.1:{port}"
         for name in ("prefill-0", "decode-0", "router"):
-            assert re.search(rf"^{name}\s+\S+\s+127\.0\.0\.1:\d+\s+http://127\.0\.0\.1:\d+/metrics", output, re.M), output
+            assert re.search(
+                rf"^{name}\s+\S+\s+127\.0\.0\.1:\d+\s+http://127\.0\.0\.1:\d+/metrics", output, re.M
+            ), output
         with Client(match.group(1)) as client:
-            completion = client.generate(prompt="The capital of France is", max_tokens=4, timeout=CALL_TIMEOUT_S)
+            completion = client.generate(
+                prompt="The capital of France is", max_tokens=4, timeout=CALL_TIMEOUT_S
+            )
         assert len(completion.token_ids) >= 1
         family = _descendants(proc.pid)  # engines, their cores, the router
         assert len(family) >= 5, family
@@ -379,4 +385,3 @@ def test_cluster_command_exits_nonzero_naming_the_engine_that_failed(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert not _descendants(proc.pid)
