@@ -9,6 +9,8 @@ import time
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.router:
+        return _generate_remote(args)
     from pdserve import LLM
     from pdserve.engine.request import SamplingParams
 
@@ -36,6 +38,40 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.client import Client
+
+    start = time.perf_counter()
+    metrics: dict = {}
+    try:
+        with Client(args.router) as client:
+            for delta in client.stream(
+                prompt=args.prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                chat=args.chat,
+                timeout=args.timeout,
+            ):
+                print(delta.text, end="", flush=True)
+                if delta.finish_reason:
+                    metrics = delta.metrics
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    print()
+    print(
+        f"[{time.perf_counter() - start:.2f}s, TTFT {metrics.get('ttft_ms', 0):.0f} ms, "
+        f"KV transfer {metrics.get('transfer_ms', 0):.1f} ms, prefill {metrics.get('prefill_engine') or '-'}, "
+        f"decode {metrics.get('decode_engine') or '-'}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
@@ -58,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--router", default=None, help="send to a running router (HOST:PORT) instead of loading the model")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (with --router)")
     gen.set_defaults(func=_generate)
 
     from pdserve.decode import server as decode_server
@@ -86,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_args(local)
     local.set_defaults(func=cluster.main)
 
-    bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels)")
-    bench.add_argument("what", choices=["engine", "transfer", "kernels"])
+    bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels, serve)")
+    bench.add_argument("what", choices=["engine", "transfer", "kernels", "serve"])
     bench.set_defaults(func=_bench)
     return parser
 
