@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)
-	$(VENV)/bin/pdserve generate --max-tokens 24 "The capital of France is"
+	$(PY) -m pdserve.demo
 
 bench: $(STAMP)
 	$(VENV)/bin/pdserve bench engine
