@@ -474,7 +474,8 @@ def main(args: argparse.Namespace) -> int:
     except ClusterStopped:
         say("stop requested during start-up; stopping")
     except ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        # The first line names what failed; the dead processes' own logs say why.
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
         for proc in cluster.dead_processes():
             tail = proc.log_tail()
             if tail:

@@ -9,6 +9,7 @@ UNAVAILABLE rather than a hang; bad input must give INVALID_ARGUMENT with a clea
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import re
@@ -26,7 +27,7 @@ from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster, pick_free_ports
 from pdserve.engine.request import SamplingParams
 from tests.cluster_helpers import TINY_ENGINE_ARGS, frozen, is_idle, next_within, pid_gone, wait_idle
-from tests.text_corpus import prompts_of_lengths
+from tests.text_corpus import long_text, prompts_of_lengths
 
 MAX_TOKENS = 8
 # Short prompts run on decode alone (conditional disaggregation), the rest go through prefill.
@@ -75,9 +76,16 @@ def _generate_all(client: Client, prompts: list[list[int]]) -> list:
         return [f.result() for f in futures]
 
 
-def _long_prompt(prompts: list[list[int]]) -> list[int]:
-    """A prompt well above the disaggregation threshold, so it goes through prefill."""
-    return prompts[PROMPT_LENGTHS.index(80)]
+_fresh_prompts = itertools.count()
+
+
+def _fresh_prompt(tokenizer, num_tokens: int = 80) -> list[int]:
+    """A prompt no engine has seen (its first block differs from every other prompt's), well
+    above the disaggregation threshold: the router sends it through prefill, since neither
+    the decode engine's prefix cache nor anything else can cover it."""
+    k = next(_fresh_prompts)
+    ids = tokenizer.encode(f"Note {k} of {os.getpid()}: " + long_text(num_tokens * 6, start=k))
+    return ids[:num_tokens]
 
 
 def _assert_all_idle(client: Client, roles: tuple[str, ...] = ("prefill", "decode")) -> None:
@@ -125,11 +133,11 @@ def test_2p2d_greedy_matches_colocated_and_spreads_over_engines(tiny_model_dir, 
 # ---------------------------------------------------------------------- streaming order
 
 
-def test_first_token_reaches_client_while_decode_engine_is_frozen(client, cluster, prompts, expected):
+def test_first_token_reaches_client_while_decode_engine_is_frozen(client, cluster, tiny_llm):
     """TTFT does not wait for the KV transfer: with the decode engine stopped (SIGSTOP), the
     prefill's token still streams out; decode's tokens follow once it runs again."""
-    prompt = _long_prompt(prompts)
-    want = expected[PROMPT_LENGTHS.index(80)]
+    prompt = _fresh_prompt(tiny_llm.tokenizer)
+    want = tiny_llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
     stream = client.stream(
         prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=CALL_TIMEOUT_S
     )
@@ -162,11 +170,11 @@ def _drain(stream) -> tuple[list[int], str | None, grpc.StatusCode | None]:
 
 
 @pytest.mark.parametrize("how", ["abort_rpc", "close_stream"])
-def test_abort_mid_stream_frees_blocks_on_both_engines(client, prompts, how):
+def test_abort_mid_stream_frees_blocks_on_both_engines(client, tiny_llm, how):
     request_id = f"abort-mid-stream-{how}"
     max_tokens = 900
     stream = client.stream(
-        prompt_token_ids=_long_prompt(prompts),
+        prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer),
         max_tokens=max_tokens,
         ignore_eos=True,
         request_id=request_id,
@@ -185,12 +193,12 @@ def test_abort_mid_stream_frees_blocks_on_both_engines(client, prompts, how):
     assert client.abort(request_id) is False  # the router has forgotten it
 
 
-def test_abort_during_handover_frees_blocks_held_for_decode(client, cluster, prompts):
+def test_abort_during_handover_frees_blocks_held_for_decode(client, cluster, tiny_llm):
     """Abort after the prefill finished (its blocks held under a lease) while the decode engine
     cannot answer: the held blocks are freed by the abort, not by the lease running out."""
     request_id = "abort-during-handover"
     stream = client.stream(
-        prompt_token_ids=_long_prompt(prompts),
+        prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer),
         max_tokens=900,
         ignore_eos=True,
         request_id=request_id,
@@ -247,14 +255,17 @@ def test_cluster_still_serves_and_holds_no_blocks_after_bad_input(client, prompt
 # ---------------------------------------------------------------------- failures
 
 
-def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, prompts):
+def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, tiny_llm, prompts):
     with (
         LocalCluster(1, 1, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS) as cluster,
         Client(cluster.router_address) as client,
     ):
         decode = cluster.procs["decode-0"]
         in_flight = client.stream(
-            prompt_token_ids=_long_prompt(prompts), max_tokens=900, ignore_eos=True, timeout=CALL_TIMEOUT_S
+            prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer),
+            max_tokens=900,
+            ignore_eos=True,
+            timeout=CALL_TIMEOUT_S,
         )
         next_within(in_flight, 30.0)
         next_within(in_flight, 30.0)  # decode is generating
@@ -263,7 +274,7 @@ def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, prompts
 
         _, finish_reason, code = _drain(in_flight)
         assert code == grpc.StatusCode.UNAVAILABLE, (finish_reason, code)
-        for prompt in (_long_prompt(prompts), prompts[0]):  # through prefill, and decode-only
+        for prompt in (_fresh_prompt(tiny_llm.tokenizer), prompts[0]):  # through prefill, and decode-only
             with pytest.raises(grpc.RpcError) as info:
                 client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout=CALL_TIMEOUT_S)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()

@@ -245,3 +245,16 @@ def test_tcp_fault_fails_the_read_then_the_peer_recovers(action, prefills):
     finally:
         reader.close()
     assert "next" in prefill.served(["next"])
+
+
+@pytest.mark.parametrize("transport", ALL_TRANSPORTS)
+def test_peer_metadata_without_an_address_is_a_clear_error(transport):
+    _needs(transport)
+    cache = torch.zeros((NUM_BLOCKS, *SPEC.block_shape))
+    with create_transport(transport, cache, role="both", engine_id="me") as me:
+        meta = me.local_metadata()
+        assert msgpack.unpackb(msgpack.packb(meta)) == meta  # what the handshake ships
+        broken = {"tcp": {"port": None}, "ucx": {"address": b""}, "nixl": {"agent_metadata": b"garbage"}}
+        with pytest.raises(ValueError, match="peer other"):
+            me.add_remote("other", {**meta, **broken[transport]})
+        assert not me.has_remote("other")

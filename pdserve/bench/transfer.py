@@ -16,6 +16,7 @@ with msgpack only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import sys
 import time
@@ -86,8 +87,11 @@ def _fill_pattern(cache: Any) -> None:
 
 def _serve_main(conn: Any, transport: str, num_blocks: int, timeout_s: float) -> None:
     """Prefill: hold a cache, serve reads of it until told to stop."""
+    import torch
+
     from pdserve.connector.transports import create_transport
 
+    torch.set_num_threads(1)  # idle intra-op threads spinning after a copy would steal a core
     try:
         cache = BUNDLED_SPEC.allocate(num_blocks)
         _fill_pattern(cache)
@@ -104,41 +108,37 @@ def _serve_main(conn: Any, transport: str, num_blocks: int, timeout_s: float) ->
 
 
 def _read_main(
-    conn: Any,
-    transport: str,
-    metadata: dict,
-    plans: list[dict],
-    num_blocks: int,
-    layout: str,
-    timeout_s: float,
+    conn: Any, transport: str, metadata: dict, num_blocks: int, layout: str, timeout_s: float
 ) -> None:
-    """Decode: read every planned size, report each iteration and the latencies."""
+    """Decode: on each ``read`` command, time one read of the planned size and send it back."""
+    import torch
+
     from pdserve.connector.transports import create_transport
 
+    torch.set_num_threads(1)  # idle intra-op threads spinning after a copy would steal a core
     try:
         cache = BUNDLED_SPEC.allocate(num_blocks)
         reader = create_transport(
             transport, cache, role="consumer", engine_id="bench-decode", transfer_timeout_s=timeout_s
         )
         reader.add_remote("bench-prefill", metadata)
-        for i, fields in enumerate(plans):
-            plan = SizePlan(**fields)
+        conn.send_bytes(msgpack.packb({"event": "ready"}))
+        while True:
+            command = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            if command["cmd"] == "stop":
+                break
+            plan, it = SizePlan(**command["plan"]), command["it"]
             remote, local = block_ids(plan, num_blocks, layout)
-            samples = []
-            for it in range(plan.warmup + plan.iters):
-                start = time.perf_counter()
-                reader.start_read(f"{plan.tokens}-{it}", "bench-prefill", remote, local)
-                results = reader.wait(timeout_s + 5.0)
-                elapsed = time.perf_counter() - start
-                if not results or not results[0].ok:
-                    raise RuntimeError(f"read of {plan.tokens} tokens failed: {results}")
-                if it == 0:
-                    _check_blocks(cache, remote, local)
-                    cache[local] = 0  # so the timed reads land on zeros, not on a lucky leftover
-                if it >= plan.warmup:
-                    samples.append(elapsed)
-                conn.send_bytes(msgpack.packb({"event": "iter"}))
-            conn.send_bytes(msgpack.packb({"event": "size", "index": i, "samples": samples}))
+            start = time.perf_counter()
+            reader.start_read(f"{plan.tokens}-{it}", "bench-prefill", remote, local)
+            results = reader.wait(timeout_s + 5.0)
+            elapsed = time.perf_counter() - start
+            if not results or not results[0].ok:
+                raise RuntimeError(f"read of {plan.tokens} tokens failed: {results}")
+            if it == 0:
+                _check_blocks(cache, remote, local)
+                cache[local] = 0  # so later reads land on zeros, not on a lucky leftover
+            conn.send_bytes(msgpack.packb({"event": "read", "seconds": elapsed}))
         reader.close()
         conn.send_bytes(msgpack.packb({"event": "done"}))
     except Exception as exc:
@@ -163,88 +163,114 @@ def _recv(conn: Any, timeout_s: float) -> dict[str, Any]:
     return msgpack.unpackb(conn.recv_bytes(), raw=False)
 
 
-def run_transport(
-    transport: str, plan: list[SizePlan], num_blocks: int, layout: str, timeout_s: float, progress: Any
-) -> list[list[float]] | str:
-    """Latency samples per planned size, or an error message."""
-    ctx = mp.get_context("spawn")
-    serve_conn, serve_child = ctx.Pipe()
-    read_conn, read_child = ctx.Pipe()
-    server = ctx.Process(
-        target=_serve_main, args=(serve_child, transport, num_blocks, timeout_s), daemon=True
-    )
-    server.start()
-    reader = None
-    try:
-        ready = _recv(serve_conn, 120.0)
+class TransportPair:
+    """A prefill process serving and a decode process reading over one transport."""
+
+    def __init__(self, transport: str, num_blocks: int, layout: str, timeout_s: float) -> None:
+        self.transport = transport
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self._serve_conn, serve_child = ctx.Pipe()
+        self._read_conn, read_child = ctx.Pipe()
+        self._server = ctx.Process(
+            target=_serve_main, args=(serve_child, transport, num_blocks, timeout_s), daemon=True
+        )
+        self._server.start()
+        self._reader = None
+        ready = _recv(self._serve_conn, 120.0)
         if ready["event"] != "ready":
-            return ready.get("message", "prefill failed")
-        fields = [p.__dict__ for p in plan]
-        reader = ctx.Process(
+            raise RuntimeError(ready.get("message", "prefill failed"))
+        self._reader = ctx.Process(
             target=_read_main,
-            args=(read_child, transport, ready["metadata"], fields, num_blocks, layout, timeout_s),
+            args=(read_child, transport, ready["metadata"], num_blocks, layout, timeout_s),
             daemon=True,
         )
-        reader.start()
-        samples: list[list[float]] = [[] for _ in plan]
-        while True:
-            message = _recv(read_conn, 120.0 + timeout_s)
-            if message["event"] == "iter":
-                progress.update(1)
-            elif message["event"] == "size":
-                samples[message["index"]] = message["samples"]
-            elif message["event"] == "done":
-                return samples
-            else:
-                return message.get("message", "decode failed")
-    except TimeoutError as exc:
-        return str(exc)
-    finally:
-        if server.is_alive():
-            serve_conn.send_bytes(b"\x00")
-        for proc in (reader, server):
-            if proc is not None:
-                proc.join(timeout=30.0)
-                if proc.is_alive():
-                    proc.kill()
+        self._reader.start()
+        message = _recv(self._read_conn, 120.0)
+        if message["event"] != "ready":
+            raise RuntimeError(message.get("message", "decode failed"))
+
+    def read(self, plan: SizePlan, it: int) -> float:
+        """Seconds one read of ``plan`` took, as decode measured it."""
+        self._read_conn.send_bytes(msgpack.packb({"cmd": "read", "plan": plan.__dict__, "it": it}))
+        message = _recv(self._read_conn, self.timeout_s + 30.0)
+        if message["event"] != "read":
+            raise RuntimeError(message.get("message", "decode failed"))
+        return message["seconds"]
+
+    def close(self) -> None:
+        for conn, proc, stop in (
+            (self._read_conn, self._reader, msgpack.packb({"cmd": "stop"})),
+            (self._serve_conn, self._server, b"\x00"),
+        ):
+            if proc is None:
+                continue
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(stop)
+            proc.join(timeout=30.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
 
 
-def measure_memcpy(plan: list[SizePlan], num_blocks: int, layout: str, progress: Any) -> list[list[float]]:
+class MemcpyFloor:
     """The floor: copy the same block runs between two caches in this process.
 
     Single-threaded, like every transport's data path: torch's intra-op pool can only add its
     wake-up cost here (about 8 ms per copy when the two cores of this machine are busy).
     """
-    import torch
 
-    from pdserve.connector.transports.base import coalesce_runs
+    def __init__(self, num_blocks: int, layout: str) -> None:
+        self.src = BUNDLED_SPEC.allocate(num_blocks)
+        _fill_pattern(self.src)
+        self.dst = BUNDLED_SPEC.allocate(num_blocks)
+        self.num_blocks = num_blocks
+        self.layout = layout
 
-    src = BUNDLED_SPEC.allocate(num_blocks)
-    _fill_pattern(src)
-    dst = BUNDLED_SPEC.allocate(num_blocks)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return [
-            _time_copies(src, dst, coalesce_runs(*block_ids(size, num_blocks, layout)), size, progress)
-            for size in plan
-        ]
-    finally:
-        torch.set_num_threads(threads)
+    def read(self, plan: SizePlan, it: int) -> float:
+        import torch
+
+        from pdserve.connector.transports.base import coalesce_runs
+
+        runs = coalesce_runs(*block_ids(plan, self.num_blocks, self.layout))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            for run in runs:
+                self.dst[run.local_start : run.local_start + run.count].copy_(
+                    self.src[run.remote_start : run.remote_start + run.count]
+                )
+            return time.perf_counter() - start
+        finally:
+            torch.set_num_threads(threads)
 
 
-def _time_copies(src: Any, dst: Any, runs: list[Any], size: SizePlan, progress: Any) -> list[float]:
-    samples = []
-    for it in range(size.warmup + size.iters):
-        start = time.perf_counter()
-        for run in runs:
-            dst[run.local_start : run.local_start + run.count].copy_(
-                src[run.remote_start : run.remote_start + run.count]
-            )
-        elapsed = time.perf_counter() - start
-        if it >= size.warmup:
-            samples.append(elapsed)
-        progress.update(1)
+def measure(movers: dict[str, Any], plan: list[SizePlan], errors: list[str]) -> dict[str, list[list[float]]]:
+    """Latency samples per mover and size. Iterations are interleaved across movers (memcpy,
+    then each transport, then memcpy again ...) so that all of them see the same machine load;
+    a ratio measured minutes apart on a shared machine would say little."""
+    from tqdm import tqdm
+
+    samples = {name: [[] for _ in plan] for name in movers}
+    total = sum(p.warmup + p.iters for p in plan) * len(movers)
+    with tqdm(total=total, desc="transfer bench", unit="read") as progress:
+        for i, size in enumerate(plan):
+            progress.set_postfix_str(f"{size.tokens} tokens")
+            for it in range(size.warmup + size.iters):
+                for name, mover in list(movers.items()):
+                    try:
+                        seconds = mover.read(size, it)
+                    except Exception as exc:
+                        errors.append(f"{name}: {exc}")
+                        del movers[name]
+                        del samples[name]
+                        mover.close()
+                        continue
+                    if it >= size.warmup:
+                        samples[name][i].append(seconds)
+                    progress.update(1)
     return samples
 
 
@@ -336,8 +362,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tqdm import tqdm
-
     from pdserve.bench.report import default_path, print_table, save_json
     from pdserve.connector.transports import ALL_TRANSPORTS, available_transports, unavailable_reason
 
@@ -362,21 +386,24 @@ def main(argv: list[str] | None = None) -> int:
             f"  {p.tokens:>6} tokens = {p.blocks:>4} blocks = {p.nbytes / 2**20:8.2f} MiB, {p.iters} timed reads"
         )
 
-    total = sum(p.warmup + p.iters for p in plan) * (len(names) + 1)
-    rows: list[dict[str, Any]] = []
+    movers: dict[str, Any] = {"memcpy": MemcpyFloor(num_blocks, args.layout)}
     errors = []
-    with tqdm(total=total, desc="transfer bench", unit="read") as progress:
-        progress.set_postfix_str("memcpy")
-        memcpy = measure_memcpy(plan, num_blocks, args.layout, progress)
-        floor = [percentiles(s)[0] for s in memcpy]
-        rows += make_rows("memcpy", plan, memcpy, floor)
+    try:
         for name in names:
-            progress.set_postfix_str(name)
-            samples = run_transport(name, plan, num_blocks, args.layout, args.timeout, progress)
-            if isinstance(samples, str):
-                errors.append(f"{name}: {samples}")
-                continue
-            rows += make_rows(name, plan, samples, floor)
+            print(f"starting {name} prefill and decode processes ...")
+            try:
+                movers[name] = TransportPair(name, num_blocks, args.layout, args.timeout)
+            except Exception as exc:
+                errors.append(f"{name}: {exc}")
+        samples = measure(movers, plan, errors)
+    finally:
+        for mover in movers.values():
+            if isinstance(mover, TransportPair):
+                mover.close()
+    floor = [percentiles(s)[0] for s in samples["memcpy"]]
+    rows: list[dict[str, Any]] = []
+    for name, per_size in samples.items():
+        rows += make_rows(name, plan, per_size, floor)
 
     columns = ["transport", "tokens", "blocks", "bytes", "p50_ms", "p99_ms", "gbps", "ratio_to_memcpy"]
     print_table(f"KV transfer, {args.layout} blocks (p50/p99 over timed reads)", rows, columns)

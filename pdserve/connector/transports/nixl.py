@@ -10,8 +10,9 @@ to prefill once the read is complete, which ``poll_served`` reports.
 Threading: a NIXL agent built without its progress thread is not thread-safe, and on this
 backend ``transfer`` performs a CMA read of the whole request before returning (the GIL is
 released meanwhile): ~0.1 ms per block. So one driver thread owns the agent and runs every
-call on it; the engine thread only queues commands. When a producer-side agent is idle, the
-driver polls for notifications every ``notif_poll_s`` (NIXL offers no fd to sleep on).
+call on it; the engine thread only queues commands. A producer's driver polls for
+notifications every ``notif_poll_s``, backing off to 16 ms while no read is served (NIXL offers
+no fd to sleep on; the notifications only tell prefill when it may free blocks).
 
 Backend settings: ``ucx_error_handling_mode=none``, without which UCX will not use shared
 memory / CMA between processes; a dead peer is then caught by our per-read deadline or by
@@ -27,6 +28,8 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "UCX"
 DEFAULT_BACKEND_PARAMS = {"ucx_error_handling_mode": "none"}
+ADD_REMOTE_TIMEOUT_S = 30.0  # the driver may be inside one long READ when asked
+MAX_NOTIF_POLL_S = 0.016
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -103,6 +108,7 @@ class NixlTransport(KVTransport):
         self._agent_metadata = self._agent.get_agent_metadata()
         self._base_address = kv_cache.data_ptr()
         self._notif_poll_s = notif_poll_s
+        self._notif_wait = notif_poll_s
         self._driver_cond = threading.Condition()  # guards _commands
         self._commands: deque[tuple[Any, ...]] = deque()  # from the engine thread to the driver
         # Driver-thread state.
@@ -128,9 +134,24 @@ class NixlTransport(KVTransport):
             raise ValueError(
                 f"peer {peer.engine_id} does not serve nixl reads (no agent metadata in its metadata)"
             )
+        # Loading the peer's agent runs on the driver; wait for it so a bad blob is an error here.
+        if not self._thread.is_alive():
+            raise RuntimeError("nixl driver thread is not running")
+        loaded: Future[None] = Future()
         self._command(
-            "add", peer.engine_id, meta["agent_metadata"], meta["base_address"], int(meta.get("device_id", 0))
+            "add",
+            peer.engine_id,
+            meta["agent_metadata"],
+            meta["base_address"],
+            int(meta.get("device_id", 0)),
+            loaded,
         )
+        try:
+            loaded.result(timeout=ADD_REMOTE_TIMEOUT_S)
+        except FutureTimeout:
+            raise RuntimeError(f"nixl driver did not load the agent of {peer.engine_id} in time") from None
+        except Exception as exc:
+            raise ValueError(f"peer {peer.engine_id}: could not load its NIXL agent: {exc}") from exc
 
     def _remove_remote(self, engine_id: str) -> None:
         self._command("remove", engine_id)
@@ -175,7 +196,7 @@ class NixlTransport(KVTransport):
     def _idle_wait(self) -> float | None:
         if self._xfers:
             return 0.0001  # a READ still in progress: keep checking it (this also makes progress)
-        return self._notif_poll_s if self.role.serves else None
+        return self._notif_wait if self.role.serves else None
 
     def _run_command(self, command: tuple[Any, ...]) -> None:
         kind, *args = command
@@ -186,14 +207,16 @@ class NixlTransport(KVTransport):
             except Exception as exc:  # nixl raises its own error types (e.g. remote disconnect)
                 self._finish(job, f"{type(exc).__name__}: {exc}")
         elif kind == "add":
-            engine_id, agent_metadata, base_address, device_id = args
+            engine_id, agent_metadata, base_address, device_id, loaded = args
             try:
                 self._forget(engine_id)
                 name = self._agent.add_remote_agent(agent_metadata)
                 name = name.decode() if isinstance(name, bytes) else name
                 self._agents[engine_id] = _Remote(name, base_address, device_id)
-            except Exception:
-                logger.exception("nixl: could not load the agent of %s", engine_id)
+            except Exception as exc:
+                loaded.set_exception(exc)
+            else:
+                loaded.set_result(None)
         elif kind == "remove":
             self._forget(args[0])
         elif kind == "stop":
@@ -258,7 +281,10 @@ class NixlTransport(KVTransport):
             return False
 
     def _take_notifs(self) -> None:
-        for agent_name, messages in self._agent.get_new_notifs().items():
+        notifs = self._agent.get_new_notifs()
+        # Poll often while reads are being served, back off (to 16 ms) while nobody reads.
+        self._notif_wait = self._notif_poll_s if notifs else min(2 * self._notif_wait, MAX_NOTIF_POLL_S)
+        for agent_name, messages in notifs.items():
             for message in messages:
                 try:
                     transfer_id, reader = msgpack.unpackb(message, raw=False)
@@ -286,10 +312,13 @@ class NixlTransport(KVTransport):
             self._finish(xfer.job, "transport closed")
         self._xfers = []
         with self._driver_cond:
-            leftovers = [c[1] for c in self._commands if c[0] == "read"]
+            leftovers = list(self._commands)
             self._commands.clear()
-        for job in leftovers:
-            self._finish(job, "transport closed")
+        for kind, *args in leftovers:
+            if kind == "read":
+                self._finish(args[0], "transport closed")
+            elif kind == "add":
+                args[-1].set_exception(RuntimeError("transport closed"))
         for engine_id in list(self._agents):
             self._forget(engine_id)
         try:

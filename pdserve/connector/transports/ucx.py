@@ -12,7 +12,7 @@ The cost is that a dead peer is only noticed by our deadline, which is why every
 
 Protocol (tag messages; control tag has the top bit set, data tags never do)::
 
-    reader -> server  CONTROL_TAG  {"op": "hello", "client": nonce, "address": reader worker address}
+    reader -> server  CONTROL_TAG  {"op": "hello", "client": nonce, "reader", "address": worker address}
     reader -> server  CONTROL_TAG  {"op": "read", "client": nonce, "tid", "reader", "tag": T,
                                     "runs": [[start, count], ...]}
     server -> reader  tag T+1+i    the bytes of run i, sent from and received into the caches
@@ -55,8 +55,7 @@ CONTROL_TAG = (1 << 63) | 0x7064_6B76  # "pdkv"
 _CONTROL_BYTES = 1 << 20  # a read message of up to ~100k separate runs
 _STATUS_BYTES = 512
 _LEN = struct.Struct("<I")
-_MAX_SLEEP_S = 0.05
-SPIN_S = float(os.environ.get("SPIN_S", "0.0002"))  # a cap on select() so a missed UCX event costs latency, never a hang
+_MAX_SLEEP_S = 0.05  # a cap on select() so a missed UCX event costs latency, never a hang
 
 
 def _import_ucxx() -> Any:
@@ -153,11 +152,11 @@ class UcxTransport(KVTransport):
         self._peers: dict[str, _Peer] = {}  # {engine_id: peer}
         self._reads: dict[str, _Read] = {}  # {transfer_id: read}
         self._clients: dict[int, Any] = {}  # {client nonce: endpoint}, server side
+        self._client_readers: dict[int, str] = {}  # {client nonce: reader engine id}
         self._serves: list[_Serve] = []
         self._control_buf = bytearray(_CONTROL_BYTES)
         self._control_req: Any = None
         self._stopping = False
-        self._spin_until = 0.0
         self._thread = threading.Thread(target=self._run, name="pdserve-ucx-worker", daemon=True)
         self._thread.start()
 
@@ -206,8 +205,6 @@ class UcxTransport(KVTransport):
             if self.role.serves:
                 self._post_control_recv()
             while not self._stopping:
-                if self._commands:
-                    self._spin_until = time.perf_counter() + SPIN_S
                 self._run_commands()
                 worker.progress()
                 self._check_control()
@@ -215,8 +212,6 @@ class UcxTransport(KVTransport):
                 self._check_serves()
                 self._expire()
                 if self._commands or self._stopping:
-                    continue
-                if (self._reads or self._serves) and time.perf_counter() < self._spin_until:
                     continue
                 if worker.arm():  # nothing pending inside UCX: safe to sleep on its fd
                     ready, _, _ = select.select(wake_fds, [], [], self._sleep_time())
@@ -299,7 +294,9 @@ class UcxTransport(KVTransport):
         address = api.UCXAddress.create_from_buffer(peer.address)
         peer.endpoint = api.UCXEndpoint.create_from_worker_address(self._worker, address, False)
         peer.nonce = secrets.randbits(62)
-        hello = _frame({"op": "hello", "client": peer.nonce, "address": self._address})
+        hello = _frame(
+            {"op": "hello", "client": peer.nonce, "reader": self.engine_id, "address": self._address}
+        )
         peer.keep = [hello, peer.endpoint.tag_send(api.Array(hello), api.UCXXTag(CONTROL_TAG))]
 
     def _take_tags(self, count: int) -> int:
@@ -379,8 +376,13 @@ class UcxTransport(KVTransport):
         api = self._api
         op, client = message.get("op"), message.get("client")
         if op == "hello":
+            # A reader reconnects (new nonce) after it reset its endpoint: drop the old one.
+            reader = str(message.get("reader", ""))
+            for old in [c for c, r in self._client_readers.items() if r == reader and reader]:
+                self._drop_client(old)
             address = api.UCXAddress.create_from_buffer(bytes(message["address"]))
             self._clients[client] = api.UCXEndpoint.create_from_worker_address(self._worker, address, False)
+            self._client_readers[client] = reader
             return
         if op != "read":
             raise ValueError(f"unknown op {op!r}")
@@ -418,6 +420,7 @@ class UcxTransport(KVTransport):
 
     def _drop_client(self, client: int) -> None:
         endpoint = self._clients.pop(client, None)
+        self._client_readers.pop(client, None)
         if endpoint is not None:
             endpoint.close_blocking(period=10**8, max_attempts=1)
         self._serves = [s for s in self._serves if s.client != client]
