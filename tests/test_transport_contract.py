@@ -175,6 +175,28 @@ def test_peer_with_another_layout_or_transport_is_refused(pair):
         reader.add_remote("other", {k: v for k, v in meta.items() if k != "port"})
 
 
+def test_repeated_handshake_keeps_reads_in_flight_but_a_restarted_peer_replaces_them():
+    server = create_transport(
+        "tcp", _cache(seed=1), role="producer", fault=TcpFault(after_bytes=10, stall_s=0.3)
+    )
+    reader = create_transport("tcp", _cache(), role="consumer", transfer_timeout_s=5)
+    try:
+        reader.add_remote("prefill", server.local_metadata())
+        reader.start_read("slow", "prefill", [1], [1])
+        time.sleep(0.05)
+        reader.add_remote("prefill", dict(server.local_metadata()))  # same peer, same metadata
+        [result] = reader.wait(5.0)
+        assert result.ok, result.error
+        reader.start_read("doomed", "prefill", [2], [2])
+        time.sleep(0.05)
+        reader.add_remote("prefill", {**server.local_metadata(), "engine_id": "prefill-restarted"})
+        [result] = reader.wait(5.0)
+        assert not result.ok and result.error == "peer replaced"
+    finally:
+        reader.close()
+        server.close()
+
+
 def test_server_refuses_blocks_it_does_not_have():
     server = create_transport("tcp", _cache(seed=1), role="producer", engine_id="prefill")
     reader = create_transport("tcp", _cache(), role="consumer", transfer_timeout_s=5)

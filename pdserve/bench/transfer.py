@@ -9,8 +9,9 @@ within one process, timed the same way; ``ratio_to_memcpy`` is transport bandwid
 bandwidth for the same bytes.
 
 Every transport runs in its own pair of fresh processes (prefill serves, decode reads), which
-also keeps NIXL's and ucxx's two UCX builds out of each other's way. Processes talk over pipes
-with msgpack only.
+also keeps NIXL's and ucxx's two UCX builds out of each other's way; the processes talk over
+pipes with msgpack only. Movers take turns in short bursts (see ``measure``) so every one of
+them sees the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -127,18 +128,20 @@ def _read_main(
             command = msgpack.unpackb(conn.recv_bytes(), raw=False)
             if command["cmd"] == "stop":
                 break
-            plan, it = SizePlan(**command["plan"]), command["it"]
+            plan = SizePlan(**command["plan"])
             remote, local = block_ids(plan, num_blocks, layout)
-            start = time.perf_counter()
-            reader.start_read(f"{plan.tokens}-{it}", "bench-prefill", remote, local)
-            results = reader.wait(timeout_s + 5.0)
-            elapsed = time.perf_counter() - start
-            if not results or not results[0].ok:
-                raise RuntimeError(f"read of {plan.tokens} tokens failed: {results}")
-            if it == 0:
-                _check_blocks(cache, remote, local)
-                cache[local] = 0  # so later reads land on zeros, not on a lucky leftover
-            conn.send_bytes(msgpack.packb({"event": "read", "seconds": elapsed}))
+            times = []
+            for it in command["iterations"]:
+                start = time.perf_counter()
+                reader.start_read(f"{plan.tokens}-{it}", "bench-prefill", remote, local)
+                results = reader.wait(timeout_s + 5.0)
+                times.append(time.perf_counter() - start)
+                if not results or not results[0].ok:
+                    raise RuntimeError(f"read of {plan.tokens} tokens failed: {results}")
+                if it == 0:
+                    _check_blocks(cache, remote, local)
+                    cache[local] = 0  # so later reads land on zeros, not on a lucky leftover
+            conn.send_bytes(msgpack.packb({"event": "read", "seconds": times}))
         reader.close()
         conn.send_bytes(msgpack.packb({"event": "done"}))
     except Exception as exc:
@@ -176,24 +179,29 @@ class TransportPair:
             target=_serve_main, args=(serve_child, transport, num_blocks, timeout_s), daemon=True
         )
         self._server.start()
-        self._reader = None
-        ready = _recv(self._serve_conn, 120.0)
-        if ready["event"] != "ready":
-            raise RuntimeError(ready.get("message", "prefill failed"))
-        self._reader = ctx.Process(
-            target=_read_main,
-            args=(read_child, transport, ready["metadata"], num_blocks, layout, timeout_s),
-            daemon=True,
-        )
-        self._reader.start()
-        message = _recv(self._read_conn, 120.0)
-        if message["event"] != "ready":
-            raise RuntimeError(message.get("message", "decode failed"))
+        self._reader: Any = None
+        try:
+            ready = _recv(self._serve_conn, 120.0)
+            if ready["event"] != "ready":
+                raise RuntimeError(ready.get("message", "prefill failed"))
+            self._reader = ctx.Process(
+                target=_read_main,
+                args=(read_child, transport, ready["metadata"], num_blocks, layout, timeout_s),
+                daemon=True,
+            )
+            self._reader.start()
+            message = _recv(self._read_conn, 120.0)
+            if message["event"] != "ready":
+                raise RuntimeError(message.get("message", "decode failed"))
+        except BaseException:
+            self.close()
+            raise
 
-    def read(self, plan: SizePlan, it: int) -> float:
-        """Seconds one read of ``plan`` took, as decode measured it."""
-        self._read_conn.send_bytes(msgpack.packb({"cmd": "read", "plan": plan.__dict__, "it": it}))
-        message = _recv(self._read_conn, self.timeout_s + 30.0)
+    def read(self, plan: SizePlan, iterations: list[int]) -> list[float]:
+        """Seconds each of these back-to-back reads of ``plan`` took, as decode measured them."""
+        command = {"cmd": "read", "plan": plan.__dict__, "iterations": iterations}
+        self._read_conn.send_bytes(msgpack.packb(command))
+        message = _recv(self._read_conn, len(iterations) * (self.timeout_s + 5.0) + 30.0)
         if message["event"] != "read":
             raise RuntimeError(message.get("message", "decode failed"))
         return message["seconds"]
@@ -228,7 +236,7 @@ class MemcpyFloor:
         self.num_blocks = num_blocks
         self.layout = layout
 
-    def read(self, plan: SizePlan, it: int) -> float:
+    def read(self, plan: SizePlan, iterations: list[int]) -> list[float]:
         import torch
 
         from pdserve.connector.transports.base import coalesce_runs
@@ -236,21 +244,34 @@ class MemcpyFloor:
         runs = coalesce_runs(*block_ids(plan, self.num_blocks, self.layout))
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        times = []
         try:
-            start = time.perf_counter()
-            for run in runs:
-                self.dst[run.local_start : run.local_start + run.count].copy_(
-                    self.src[run.remote_start : run.remote_start + run.count]
-                )
-            return time.perf_counter() - start
+            for _ in iterations:
+                start = time.perf_counter()
+                for run in runs:
+                    self.dst[run.local_start : run.local_start + run.count].copy_(
+                        self.src[run.remote_start : run.remote_start + run.count]
+                    )
+                times.append(time.perf_counter() - start)
         finally:
             torch.set_num_threads(threads)
+        return times
+
+    def close(self) -> None:
+        pass
 
 
-def measure(movers: dict[str, Any], plan: list[SizePlan], errors: list[str]) -> dict[str, list[list[float]]]:
-    """Latency samples per mover and size. Iterations are interleaved across movers (memcpy,
-    then each transport, then memcpy again ...) so that all of them see the same machine load;
-    a ratio measured minutes apart on a shared machine would say little."""
+def measure(
+    movers: dict[str, Any], plan: list[SizePlan], burst: int, errors: list[str]
+) -> dict[str, list[list[float]]]:
+    """Latency samples per mover and size.
+
+    Movers take turns in bursts of ``burst`` reads (memcpy, tcp, ucx, nixl, memcpy, ...), so all
+    of them see the same load on a shared machine (a ratio of numbers taken minutes apart says
+    little there), while most reads still find the reader's threads and caches warm, as in a
+    decode engine that is pulling KV continuously. The first read of each burst is a cold one;
+    p99 shows it.
+    """
     from tqdm import tqdm
 
     samples = {name: [[] for _ in plan] for name in movers}
@@ -258,19 +279,21 @@ def measure(movers: dict[str, Any], plan: list[SizePlan], errors: list[str]) -> 
     with tqdm(total=total, desc="transfer bench", unit="read") as progress:
         for i, size in enumerate(plan):
             progress.set_postfix_str(f"{size.tokens} tokens")
-            for it in range(size.warmup + size.iters):
+            count = size.warmup + size.iters
+            for first in range(0, count, burst):
+                iterations = list(range(first, min(first + burst, count)))
                 for name, mover in list(movers.items()):
                     try:
-                        seconds = mover.read(size, it)
+                        times = mover.read(size, iterations)
                     except Exception as exc:
                         errors.append(f"{name}: {exc}")
-                        del movers[name]
-                        del samples[name]
+                        del movers[name], samples[name]
                         mover.close()
                         continue
-                    if it >= size.warmup:
-                        samples[name][i].append(seconds)
-                    progress.update(1)
+                    samples[name][i] += [
+                        t for it, t in zip(iterations, times, strict=True) if it >= size.warmup
+                    ]
+                    progress.update(len(iterations))
     return samples
 
 
@@ -352,12 +375,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="contiguous",
         help="block ids on both sides: one run, or random (one segment per block)",
     )
+    parser.add_argument("--burst", type=int, default=5, help="reads per turn when movers take turns")
     parser.add_argument("--timeout", type=float, default=30.0, help="per-read deadline (s)")
     parser.add_argument("--json", default=None, help="default: bench-results/transfer.json")
     parser.add_argument("--plot", default=None, help="default: bench-results/transfer.png")
     args = parser.parse_args(argv)
-    if any(t <= 0 for t in args.tokens) or args.iters <= 0:
-        parser.error("--tokens and --iters must be positive")
+    if any(t <= 0 for t in args.tokens) or args.iters <= 0 or args.burst <= 0:
+        parser.error("--tokens, --iters and --burst must be positive")
     return args
 
 
@@ -395,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 movers[name] = TransportPair(name, num_blocks, args.layout, args.timeout)
             except Exception as exc:
                 errors.append(f"{name}: {exc}")
-        samples = measure(movers, plan, errors)
+        samples = measure(movers, plan, args.burst, errors)
     finally:
         for mover in movers.values():
             if isinstance(mover, TransportPair):

@@ -149,9 +149,11 @@ class RemotePeer:
 class KVTransport(ABC):
     """Moves whole KV blocks between this engine's cache and its peers' caches.
 
-    Thread model: ``start_read``, ``poll``, ``poll_served``, ``add_remote`` and ``close`` are
-    called from the engine thread; the transport's own thread(s) move bytes and report through
-    ``_finish`` / ``_report_served``. The public state below is guarded by ``_cond``.
+    Thread model: the public methods may be called from any engine-side thread (they only
+    take ``_cond`` briefly and queue work); the transport's own thread(s) move bytes and report
+    through ``_finish`` / ``_report_served``. Do not spin on ``poll``: a Python thread that never
+    releases the GIL starves the transport's threads (5 ms switch interval); block in ``wait``
+    or on whatever the ``wakeup`` hook signals instead.
 
     Invariant: a transfer id is in ``_in_flight`` from ``start_read`` until its result is queued
     for ``poll``; once queued, the transport no longer touches the read's local blocks.
@@ -201,8 +203,14 @@ class KVTransport(ABC):
         }
 
     def add_remote(self, engine_id: str, metadata: dict[str, Any]) -> None:
-        """Make a peer readable. Adding a known engine id again replaces it (a restarted peer)."""
+        """Make a peer readable. Adding a known engine id with new metadata replaces it (a
+        restarted peer: its reads in flight fail); with the same metadata it is a no-op, so a
+        repeated handshake does not disturb reads in flight."""
         self._check_open()
+        with self._cond:
+            known = self._remotes.get(engine_id)
+            if known is not None and known.metadata == metadata:
+                return
         if not self.role.reads:
             raise ValueError(f"{self.name} transport in role {self.role.value} does not read from peers")
         if metadata.get("transport") != self.name:

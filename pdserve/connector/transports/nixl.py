@@ -14,8 +14,9 @@ call on it; the engine thread only queues commands. A producer's driver polls fo
 notifications every ``notif_poll_s``, backing off to 16 ms while no read is served (NIXL offers
 no fd to sleep on; the notifications only tell prefill when it may free blocks).
 
-Backend settings: ``ucx_error_handling_mode=none``, without which UCX will not use shared
-memory / CMA between processes; a dead peer is then caught by our per-read deadline or by
+Backend settings: ``ucx_error_handling_mode=none``. With NIXL's default (``peer``) UCX drops
+shared memory / CMA, which cannot detect a dead peer, for TCP (measured here: 0.64 ms instead of
+0.09 ms for one 720 KiB block). A dead peer is then caught by our per-read deadline or by
 NIXL's ``NIXL_ERR_REMOTE_DISCONNECT`` when the next read is posted. No ``UCX_*`` environment
 variable is needed. The agent's own progress and listener threads stay off.
 """
@@ -244,7 +245,11 @@ class NixlTransport(KVTransport):
             remote.agent_name,
             notif,
         )
-        state = agent.transfer(handle)
+        try:
+            state = agent.transfer(handle)
+        except Exception:
+            self._release(handle)
+            raise
         if state == "PROC":
             self._xfers.append(_Xfer(job, handle))
             return
