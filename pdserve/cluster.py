@@ -7,7 +7,7 @@ foreground; Ctrl-C or SIGTERM stops every process (router first, then the engine
 SIGKILL after a grace period), and so does any child exiting on its own, which makes the command
 exit non-zero naming it.
 
-Children never outlive the cluster: each is started through a two-line shim that asks the kernel
+Children never outlive the cluster: each is started through a short shim that asks the kernel
 for SIGTERM when its parent goes away (``PR_SET_PDEATHSIG``) and then execs the real command,
 and each engine front in turn takes its engine core down with it. The children get their own
 session, so a Ctrl-C in the terminal reaches only the cluster, which stops them in order.
@@ -174,14 +174,13 @@ class LocalCluster:
         self.grace_s = grace_s
         self.progress = progress or (lambda message: None)
         self._own_log_dir = log_dir is None
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
-        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_dir = log_dir  # a temp dir made by start() when None
         # One random key per cluster authenticates the engines' KV side channel to each other.
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
         self.procs: dict[str, ClusterProcess] = {}  # {name: process}, in start order
         self.stop_requested = threading.Event()
-        self._failed = False
+        self._failed = False  # a start-up failure keeps a temp log dir for reading
 
     # ------------------------------------------------------------------ addresses
 
@@ -191,15 +190,21 @@ class LocalCluster:
 
     @property
     def prefill_addresses(self) -> list[str]:
-        return [p.address for p in self.procs.values() if p.role == "prefill"]
+        return [p.address for p in self._ordered() if p.role == "prefill"]
 
     @property
     def decode_addresses(self) -> list[str]:
-        return [p.address for p in self.procs.values() if p.role == "decode"]
+        return [p.address for p in self._ordered() if p.role == "decode"]
 
     @property
     def engines(self) -> list[ClusterProcess]:
-        return [p for p in self.procs.values() if p.role in ENGINE_ROLES]
+        return [p for p in self._ordered() if p.role in ENGINE_ROLES]
+
+    def _ordered(self) -> list[ClusterProcess]:
+        """Prefill engines, decode engines, router; by index within a role (a retried start
+        re-adds a process to ``procs`` out of order)."""
+        rank = {"prefill": 0, "decode": 1, "router": 2}
+        return sorted(self.procs.values(), key=lambda p: (rank[p.role], int(p.name.partition("-")[2] or 0)))
 
     # ------------------------------------------------------------------ life cycle
 
@@ -216,18 +221,21 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start the engines, wait until they are healthy, then the same for the router."""
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="pdserve-cluster-")
+        os.makedirs(self.log_dir, exist_ok=True)
         names = [
             f"{role}-{i}"
             for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode))
             for i in range(n)
         ]
-        self._start_and_wait([(name, name.split("-")[0]) for name in names], first_index=1)
-        self._start_and_wait([("router", "router")], first_index=0)
+        self._start_and_wait([(name, name.split("-")[0]) for name in names])
+        self._start_and_wait([("router", "router")])
 
-    def _start_and_wait(self, members: list[tuple[str, str]], first_index: int) -> None:
+    def _start_and_wait(self, members: list[tuple[str, str]]) -> None:
         started = time.monotonic()
         for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
-            ports = self._ports(members, first_index)
+            ports = self._ports(members)
             pending = []
             for (name, role), (port, metrics_port) in zip(members, ports, strict=True):
                 proc = self._spawn(name, role, port, metrics_port)
@@ -237,6 +245,7 @@ class LocalCluster:
             if not lost_bind:
                 return
             if self.base_port is not None or attempt == MAX_BIND_ATTEMPTS:
+                self._failed = True
                 proc = lost_bind[0]
                 raise ClusterError(f"{proc.name} could not bind {proc.address}:\n{proc.log_tail()}")
             for proc in lost_bind:
@@ -245,11 +254,12 @@ class LocalCluster:
             for proc in lost_bind:
                 del self.procs[proc.name]
 
-    def _ports(self, members: list[tuple[str, str]], first_index: int) -> list[tuple[int, int]]:
+    def _ports(self, members: list[tuple[str, str]]) -> list[tuple[int, int]]:
+        """(gRPC port, metrics port) for each member."""
         if self.base_port is not None:
             ports = []
             for name, role in members:
-                k = 0 if role == "router" else first_index + self._engine_index(name)
+                k = 0 if role == "router" else 1 + self._engine_index(name)
                 ports.append((self.base_port + 2 * k, self.base_port + 2 * k + 1))
         else:
             free = pick_free_ports(self.host, 2 * len(members))
@@ -262,6 +272,7 @@ class LocalCluster:
         return ports
 
     def _engine_index(self, name: str) -> int:
+        """Position among the engines: the prefill engines first, then the decode engines."""
         role, index = name.split("-")
         return int(index) + (self.num_prefill if role == "decode" else 0)
 
@@ -358,7 +369,6 @@ class LocalCluster:
         """Raise ClusterError if any child has exited."""
         dead = self.dead_processes()
         if dead:
-            self._failed = True
             raise ClusterError("; ".join(f"{p.name} ({p.address}) {p.describe_exit()}" for p in dead))
 
     def monitor(self, poll_s: float = 0.5) -> None:
@@ -371,12 +381,12 @@ class LocalCluster:
         routers = [p for p in self.procs.values() if p.role == "router"]
         _terminate(routers, self.grace_s)
         _terminate(self.engines, self.grace_s)
-        if self._own_log_dir and not self._failed:
+        if self._own_log_dir and self.log_dir and not self._failed:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def table(self) -> str:
         rows = [("NAME", "ROLE", "GRPC", "METRICS", "PID")]
-        for p in self.procs.values():
+        for p in self._ordered():
             metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else "-"
             rows.append((p.name, p.role, p.address, metrics, str(p.pid)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -421,7 +431,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
-    parser.add_argument("--engine-args", default="", help='extra engine arguments, e.g. "--num-blocks 512"')
+    parser.add_argument(
+        "--engine-args",
+        default="",
+        help='extra engine arguments: "--num-blocks 512", or --engine-args=--no-prefix-caching for one flag',
+    )
     parser.add_argument("--router-args", default="", help='extra router arguments, e.g. "--max-inflight 64"')
     parser.add_argument("--log-dir", default=None, help="where each process's log goes (default: a temp dir)")
     parser.add_argument(

@@ -193,13 +193,21 @@ def test_abort_mid_stream_frees_blocks_on_both_engines(client, tiny_llm, how):
     assert client.abort(request_id) is False  # the router has forgotten it
 
 
-def test_abort_during_handover_frees_blocks_held_for_decode(client, cluster, tiny_llm):
-    """Abort after the prefill finished (its blocks held under a lease) while the decode engine
-    cannot answer: the held blocks are freed by the abort, not by the lease running out."""
+@pytest.mark.xfail(
+    strict=False,  # the router may reach the decode engine only after the abort: then it passes
+    reason="BUG: router Abort is lost when an engine does not answer within 2 s (pdserve/router/"
+    "service.py RouterServicer.Abort / _abort_on_engines never cancel the engine call in flight): "
+    "the frozen decode later runs the request to completion after Abort returned found=True",
+)
+def test_abort_during_handover_frees_held_blocks_and_stops_the_request(client, cluster, tiny_llm):
+    """Abort after the prefill finished (its blocks held under a lease for decode) while the
+    decode engine cannot answer: the prefill frees the held blocks at once (not when the lease
+    runs out), and the request does not go on once the decode engine is back."""
     request_id = "abort-during-handover"
+    max_tokens = 400
     stream = client.stream(
         prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer),
-        max_tokens=900,
+        max_tokens=max_tokens,
         ignore_eos=True,
         request_id=request_id,
         timeout=CALL_TIMEOUT_S,
@@ -207,10 +215,16 @@ def test_abort_during_handover_frees_blocks_held_for_decode(client, cluster, tin
     with frozen(cluster.procs["decode-0"].pid):
         first = next_within(stream, 30.0)
         assert len(first.token_ids) == 1
+        # Let the router hand the request to the (frozen) decode engine before aborting: the
+        # abort then races the decode engine's Generate.
+        time.sleep(0.5)
         assert client.abort(request_id, timeout=10.0) is True
+        # Well inside the 30 s lease.
+        _assert_all_idle(client, roles=("prefill",))
     tokens, finish_reason, code = _drain(stream)
-    assert finish_reason != "length", f"the aborted request ran to completion ({len(tokens)} more tokens)"
-    # wait_idle's 20 s bound is below the engines' 30 s default lease.
+    assert finish_reason != "length" and len(tokens) + 1 < max_tokens, (
+        f"the aborted request ran on once decode was back ({len(tokens)} more tokens, {finish_reason})"
+    )
     _assert_all_idle(client)
 
 
