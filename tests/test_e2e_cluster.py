@@ -193,12 +193,6 @@ def test_abort_mid_stream_frees_blocks_on_both_engines(client, tiny_llm, how):
     assert client.abort(request_id) is False  # the router has forgotten it
 
 
-@pytest.mark.xfail(
-    strict=False,  # the router may reach the decode engine only after the abort: then it passes
-    reason="BUG: router Abort is lost when an engine does not answer within 2 s (pdserve/router/"
-    "service.py RouterServicer.Abort / _abort_on_engines never cancel the engine call in flight): "
-    "the frozen decode later runs the request to completion after Abort returned found=True",
-)
 def test_abort_during_handover_frees_held_blocks_and_stops_the_request(client, cluster, tiny_llm):
     """Abort after the prefill finished (its blocks held under a lease for decode) while the
     decode engine cannot answer: the prefill frees the held blocks at once (not when the lease

@@ -140,3 +140,30 @@ def test_layout_mismatch_is_a_clear_handshake_error(tiny_model_dir, tiny_llm):
         assert "KV layout mismatch" in stats["kv_connector"]["last_load_error"]
         assert "block_size" in stats["kv_connector"]["last_load_error"]
         assert wait_idle(prefill)["num_held_blocks"] == 0
+
+
+def test_blocks_freed_during_a_pull_are_never_used(tiny_model_dir, tiny_llm):
+    """Prefill aborts a held request while decode's pull is stalled, and a new prompt reuses
+    those blocks before the pull resumes: decode must not keep the overwritten KV (it would
+    silently generate garbage); it detects the lost lease and recomputes."""
+    expected = _expected(tiny_llm)
+    stall_once = {"transport_options": {"fault": {"after_bytes": 0, "action": "stall", "stall_s": 2.0, "times": 1}}}
+    prefill_config = engine_config(tiny_model_dir, "producer", "tcp", extra=stall_once, num_blocks=8)
+    prefill_config.scheduler.max_model_len = 128
+    prefill_config.scheduler.max_num_batched_tokens = 128
+    with EngineCoreClient(prefill_config) as prefill, EngineCoreClient(
+        engine_config(tiny_model_dir, "consumer", "tcp", transfer_timeout_s=30.0)
+    ) as decode:
+        _start_pull(prefill, decode, "victim")
+        prefill.abort(["victim"])
+        _wait_for(lambda: prefill.stats()["num_held_blocks"] == 0, 5, "prefill to drop the aborted request")
+        # 120 new tokens need all 8 blocks: the victim's blocks are overwritten.
+        reuse = prefill.generate("reuse", list(range(150, 270)), SamplingParams(max_tokens=1, ignore_eos=True))
+        assert reuse.finish_reason == "length"
+        tokens, last = _collect(decode, "victim", timeout_s=15)
+        assert last.finish_reason == "length"
+        stats = wait_idle(decode)
+        assert stats["kv_connector"]["num_loads_failed"] == 1
+        assert "no longer held" in stats["kv_connector"]["last_load_error"]
+        assert PROMPT and tokens == expected[1:]
+        assert wait_idle(prefill)["kv_cache_usage"] == 0.0

@@ -205,13 +205,9 @@ class TransferWorker:
             self._finish(job, ok=False, error=str(exc))
 
     def _ensure_handshake(self, remote: RemoteRef) -> None:
-        key = (remote.host, remote.port)
-        peer = self._peers.get(key)
-        if peer is not None and peer.handshaken and peer.instance_id == remote.instance_id:
+        peer = self._peer(remote)
+        if peer.handshaken and peer.instance_id == remote.instance_id:
             return
-        if peer is None:
-            peer = _Peer(SideChannelClient(remote.host, remote.port, self.token), remote.instance_id)
-            self._peers[key] = peer
         reply = peer.client.request(
             {"type": "handshake", "engine_id": self.engine_id, "fingerprint": self.fingerprint},
             timeout_s=HANDSHAKE_TIMEOUT_S,
@@ -261,14 +257,20 @@ class TransferWorker:
                 self._notify(job.remote, "renew", [job.remote_req_id])
 
     def _finish(self, job: LoadJob, ok: bool, error: str | None = None) -> None:
+        if ok:
+            # Read, then validate: the data is good only if prefill still held the blocks when
+            # the read ended (an abort or an expired lease frees them for reuse meanwhile).
+            # The release that ends the lease answers exactly that.
+            ok, error = self._release_and_confirm(job)
+        else:
+            # Failed: prefill may free at once; we recompute (or fail) without its blocks.
+            self._notify(job.remote, "release", [job.remote_req_id])
         job.state = TransferState.SUCCESS if ok else TransferState.FAILED
         seconds = time.monotonic() - job.started_at
         if ok:
             logger.debug("%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3)
         else:
             logger.warning("%s: KV pull from %s failed: %s", job.req_id, job.remote.engine_id, error)
-        # Either way prefill may free: we have the blocks, or we will recompute without them.
-        self._notify(job.remote, "release", [job.remote_req_id])
         self.records.append(TransferRecord(job.req_id, ok, len(job.local_block_ids), seconds, error))
         with self._lock:
             self._done.add(job.req_id)
@@ -281,13 +283,27 @@ class TransferWorker:
                 self._last_error = error or "unknown error"
                 self._invalid.update(job.local_block_ids)
 
-    def _notify(self, remote: RemoteRef, kind: str, request_ids: list[str]) -> None:
+    def _release_and_confirm(self, job: LoadJob) -> tuple[bool, str | None]:
+        try:
+            reply = self._peer(job.remote).client.request(
+                {"type": "release", "request_ids": [job.remote_req_id]}, timeout_s=HANDSHAKE_TIMEOUT_S
+            )
+        except SideChannelError as exc:
+            return False, f"could not confirm the lease after the read: {exc}"
+        if reply.get("released") != 1:
+            return False, "prefill no longer held the blocks (lease expired or request aborted) when the read ended"
+        return True, None
+
+    def _peer(self, remote: RemoteRef) -> _Peer:
         key = (remote.host, remote.port)
         peer = self._peers.get(key)
         if peer is None:
             peer = _Peer(SideChannelClient(remote.host, remote.port, self.token), remote.instance_id)
             self._peers[key] = peer
-        peer.client.notify({"type": kind, "request_ids": request_ids})
+        return peer
+
+    def _notify(self, remote: RemoteRef, kind: str, request_ids: list[str]) -> None:
+        self._peer(remote).client.notify({"type": kind, "request_ids": request_ids})
 
     def _forget_peer(self, remote: RemoteRef) -> None:
         peer = self._peers.get((remote.host, remote.port))

@@ -37,7 +37,11 @@ def spawn_core(
     env: dict[str, str] | None = None,
     log_level: str = "INFO",
 ) -> tuple[str, subprocess.Popen]:
-    """Bind ``inputs``/``outputs`` to IPC paths in a private directory and start the core there."""
+    """Bind ``inputs``/``outputs`` to IPC paths in a private directory and start the core there.
+
+    The configuration (which may hold the cluster token) goes through the child's stdin, not its
+    command line, so ``ps`` does not show it.
+    """
     ipc_dir = tempfile.mkdtemp(prefix="pdserve-core-")
     input_addr, output_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     inputs.bind(input_addr)
@@ -45,13 +49,16 @@ def spawn_core(
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "pdserve.engine.core_proc",
-            "--config", config.to_json(),
             "--input", input_addr,
             "--output", output_addr,
             "--log-level", log_level,
         ],
         env={**os.environ, **(env or {})},
+        stdin=subprocess.PIPE,
     )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(config.to_json().encode())
+    proc.stdin.close()
     return ipc_dir, proc
 
 

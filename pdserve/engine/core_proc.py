@@ -1,4 +1,4 @@
-"""The engine core process: ``python -m pdserve.engine.core_proc``.
+"""The engine core process: ``python -m pdserve.engine.core_proc`` (EngineConfig JSON on stdin).
 
 Connects to the front's two ZMQ IPC sockets (inputs, outputs), loads the model, reports READY
 and runs ``EngineCore.run_busy_loop``. It exits when told to, or when its parent process dies,
@@ -116,7 +116,6 @@ class CoreServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-core")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--log-level", default="INFO")
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s core[%(process)d] %(name)s: %(message)s"
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    config = EngineConfig.from_json(args.config)
+    config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     try:
         core = build_engine_core(config)

@@ -152,6 +152,7 @@ async def serve_engine(config: EngineConfig, role: str, host: str, port: int, me
         metrics.serve(host, metrics_port)
     server = grpc.aio.server(
         options=[
+            ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]

@@ -51,7 +51,9 @@ async def serve_router(args: argparse.Namespace) -> None:
     servicer = RouterServicer(
         pool, tokenizer, RoutingPolicy(args.policy), metrics, args.disagg_min_tokens, args.max_inflight
     )
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)]
+    )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -50,7 +50,18 @@ class LiveRequest:
     request_id: str
     arrival: float
     engines: list[EngineHandle] = field(default_factory=list)  # every engine it was sent to
+    calls: list = field(default_factory=list)  # its engine streams in flight (cancelled on abort)
     aborted: bool = False
+
+    def abort(self) -> None:
+        """Stop relaying now: cancel every engine stream (each engine then frees the request)."""
+        self.aborted = True
+        for call in self.calls:
+            call.cancel()
+
+
+class _Aborted(Exception):
+    """The client asked (through Abort) to end the request."""
 
 
 class IncrementalDetokenizer:
@@ -145,6 +156,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for response in self._run(live, tokens, sampling, request.priority, context):
                 finished = bool(response.finish_reason)
                 yield response
+        except _Aborted:
+            logger.info("%s: aborted by the client", request_id)
+            self.metrics.requests.labels(finish_reason="abort").inc()
+            yield router_pb2.GenerateResponse(request_id=request_id, finish_reason="abort")
         except RouterError as exc:
             logger.warning("%s: %s", request_id, exc)
             self.metrics.requests.labels(finish_reason=exc.code.name.lower()).inc()
@@ -193,7 +208,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if first is None or first.finish_reason != "length" or not remote:
             return  # stopped at the first token (EOS / stop token) or max_tokens == 1
         if live.aborted:
-            raise RouterError(grpc.StatusCode.CANCELLED, "aborted")
+            raise _Aborted()
         prefill_done = time.perf_counter()
 
         # Decode: pulls the blocks, continues after the first token.
@@ -246,12 +261,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     ),
                     timeout=timeout,
                 )
+                live.calls.append(call)
                 async for message in call:
                     produced = True
                     yield engine, message
                 engine.remember_blocks(block_hashes)
                 return
+            except asyncio.CancelledError:
+                if live.aborted:
+                    raise _Aborted() from None
+                raise
             except grpc.aio.AioRpcError as exc:
+                if live.aborted:
+                    raise _Aborted() from None
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE:
                     engine.mark_down(exc.details() or "unreachable")
@@ -323,7 +345,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         live = self.live.get(request.request_id)
         if live is None:
             return common_pb2.AbortResponse(found=False)
-        live.aborted = True
+        live.abort()
         await self._abort_on_engines(live)
         return common_pb2.AbortResponse(found=True)
 

@@ -1,0 +1,757 @@
+"""``pdserve bench serve``: P/D vs colocated serving on the same cores, under an open-loop load.
+
+Two setups run one after the other in one invocation, each on fresh processes and the same
+cores (``--cpus``, default the first two this process may use):
+
+- ``colocated``: two independent ``pdserve serve`` engines behind ``pdserve router --policy
+  round_robin`` (no ``--prefill``, so the router sends every request straight to an engine);
+- ``pd``: one ``pdserve prefill`` and one ``pdserve decode`` engine behind the router with
+  ``--disagg-min-tokens 0``, so every request is prefilled on P and its KV pulled by D.
+
+Each engine (its front and its engine-core child: affinity is inherited) is pinned to one core
+with ``OMP_NUM_THREADS=1``; the router and this client are not pinned. For each rate, requests
+arrive as a Poisson process (seeded; the same prompts and arrival times for both setups, fresh
+prompts for each rate so one rate does not hit the prefix cache of another); every request is
+greedy with ``ignore_eos`` and streams its tokens back.
+
+Latencies are taken on the client: TTFT from sending a request to its first token; ITL between
+consecutive streamed messages (a message carrying k tokens counts k gaps of 1/k of the time);
+TPOT = (e2e - TTFT) / (output tokens - 1). A request meets the SLO when TTFT <= ``--slo-ttft-ms``
+and its own ITL p90 (or max, ``--slo-itl-stat``) <= ``--slo-itl-ms``; goodput is the fraction of
+requests that meet it and their number per second of the run. The P/D breakdown is the router's
+own clock: ``queue`` (arrival to dispatch), ``prefill`` (dispatch to the prefill's token),
+``transfer`` (prefill done to the decode engine's first token: decode queueing + KV pull + one
+decode step), ``decode`` (the rest of the generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
+
+SETUPS = ("colocated", "pd")
+STAGES = ("queue", "prefill", "transfer", "decode")  # the P/D breakdown, in request order
+# Every JSON row has these keys (None where a value does not apply, e.g. transfer for colocated).
+ROW_KEYS = (
+    "setup", "rate", "num_requests", "completed", "failed", "duration_s",
+    "req_per_s", "out_tok_per_s", "goodput_frac", "goodput_req_per_s",
+    *(f"{m}_ms_{s}" for m in ("ttft", "itl", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99")),
+    *(f"{st}_ms_{s}" for st in STAGES for s in ("mean", "p50", "p99")),
+)  # fmt: skip
+REQUEST_KEYS = (
+    "setup", "rate", "index", "prompt_len", "output_len", "num_tokens", "error",
+    "ttft_ms", "e2e_ms", "tpot_ms", "itl_p90_ms", "itl_max_ms", "meets_slo", "num_cached_tokens",
+    *(f"{st}_ms" for st in STAGES),
+)  # fmt: skip
+STARTUP_TIMEOUT_S = 600.0
+IDLE_TIMEOUT_S = 60.0
+GRACE_S = 10.0
+
+# Runs in each child before the real command: SIGTERM me when my parent dies, pin me, then exec.
+# PR_SET_PDEATHSIG (1) survives execve; the ppid check covers a parent that died before prctl.
+_CHILD_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "if sys.argv[2]:\n"
+    "    os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(',')})\n"
+    "os.execv(sys.executable, [sys.executable] + sys.argv[3:])\n"
+)
+
+
+# ---------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    arrival_s: float  # offset from the start of the rate's run
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def parse_length(text: str) -> tuple[int, int]:
+    """``"512"`` -> (512, 512); ``"128:1024"`` -> uniform in [128, 1024]."""
+    lo, _, hi = text.partition(":")
+    bounds = (int(lo), int(hi or lo))
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise ValueError(f"bad length {text!r}: want N or LO:HI with 1 <= LO <= HI")
+    return bounds
+
+
+def load_dataset(path: str) -> list[tuple[int, int]]:
+    """``(prompt_len, output_len)`` pairs from a JSONL file of ``{"prompt_len", "output_len"}``."""
+    pairs = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            try:
+                pair = (int(row["prompt_len"]), int(row["output_len"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"{path}:{number}: want prompt_len and output_len integers ({exc})"
+                ) from None
+            if min(pair) < 1:
+                raise ValueError(f"{path}:{number}: lengths must be >= 1, got {pair}")
+            pairs.append(pair)
+    if not pairs:
+        raise ValueError(f"{path}: no rows")
+    return pairs
+
+
+@dataclass
+class Workload:
+    """Draws the requests of one rate: lengths, arrival times and token ids, all seeded."""
+
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    dataset: list[tuple[int, int]] | None
+    shared_prefix_frac: float
+    seed: int
+    token_range: tuple[int, int]  # [lo, hi) of the token ids drawn
+    shared_prefix: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        longest = max(p for p, _ in self.dataset) if self.dataset else self.prompt_len[1]
+        rng = np.random.default_rng([self.seed, 7])
+        # Request i uses the first frac * prompt_len tokens of this one sequence as its prefix.
+        self.shared_prefix = rng.integers(*self.token_range, size=longest).tolist()
+
+    def max_total_len(self) -> int:
+        if self.dataset:
+            return max(p + o for p, o in self.dataset)
+        return self.prompt_len[1] + self.output_len[1]
+
+    def draw(self, num_requests: int, rate: float, stream: int) -> list[RequestSpec]:
+        """Requests of rate-stream ``stream`` (a different stream gives different prompts)."""
+        rng = np.random.default_rng([self.seed, 1000 + stream])
+        if self.dataset:
+            picks = rng.integers(len(self.dataset), size=num_requests)
+            lengths = [self.dataset[i] for i in picks]
+        else:
+            prompts = rng.integers(self.prompt_len[0], self.prompt_len[1] + 1, size=num_requests)
+            outputs = rng.integers(self.output_len[0], self.output_len[1] + 1, size=num_requests)
+            lengths = list(zip(prompts.tolist(), outputs.tolist(), strict=True))
+        if np.isinf(rate):
+            arrivals = np.zeros(num_requests)
+        else:
+            gaps = rng.exponential(1.0 / rate, size=num_requests)
+            arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+        specs = []
+        for i, ((p, o), arrival) in enumerate(zip(lengths, arrivals.tolist(), strict=True)):
+            shared = min(p, int(self.shared_prefix_frac * p))
+            own = rng.integers(*self.token_range, size=p - shared).tolist()
+            specs.append(RequestSpec(i, arrival, self.shared_prefix[:shared] + own, int(o)))
+        return specs
+
+
+# ---------------------------------------------------------------------- processes
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    log_path: str
+    popen: subprocess.Popen
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as log:
+                return "".join(log.readlines()[-num_lines:])
+        except OSError:
+            return ""
+
+
+class SetupProcesses:
+    """The engines and router of one setup. ``stop()`` (also on exit of the ``with``) ends them all.
+
+    Each child leads its own process group (its engine core is in it too) and gets SIGTERM from
+    the kernel if this process dies; ``stop()`` sends SIGTERM to each group, then SIGKILL to what
+    is left after a grace period.
+    """
+
+    def __init__(self, log_dir: str, env: dict[str, str], say) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.say = say
+        self.children: list[Child] = []  # in start order
+
+    def __enter__(self) -> SetupProcesses:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def spawn(self, name: str, argv: list[str], address: str, cpus: set[int] | None) -> Child:
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        pinned = ",".join(str(c) for c in sorted(cpus)) if cpus else ""
+        command = [sys.executable, "-c", _CHILD_SHIM, str(os.getpid()), pinned, "-m", "pdserve", *argv]
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,  # a Ctrl-C reaches only us; we stop the children in order
+            )
+        child = Child(name, address, log_path, popen)
+        self.children.append(child)
+        self.say(
+            f"started {name} on {address}" + (f" (cpu {pinned})" if pinned else "") + f", log {log_path}"
+        )
+        return child
+
+    def wait_healthy(self, children: list[Child], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        from pdserve.cluster import check_health
+
+        pending = list(children)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for child in list(pending):
+                if child.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"{child.name} exited with code {child.popen.returncode} during start-up:\n"
+                        f"{child.log_tail()}"
+                    )
+                if check_health(child.address, timeout_s=0.5):
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(c.name for c in pending)} not healthy after {timeout_s:.0f}s")
+            if pending:
+                time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            if child.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with code {child.popen.returncode}:\n{child.log_tail()}"
+                )
+
+    def stop(self) -> None:
+        """Router first, then the engines: SIGTERM to each process group, SIGKILL after a grace."""
+        for group in (self.children[-1:], self.children[:-1]):
+            live = [c for c in group if c.popen.poll() is None]
+            for child in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.popen.pid, signal.SIGTERM)
+            deadline = time.monotonic() + GRACE_S
+            for child in live:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            for child in group:
+                # Also the group's leftovers (an engine core whose front has already gone).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.popen.pid, signal.SIGKILL)
+                child.popen.wait()
+        self.children.clear()
+
+
+def start_setup(setup: str, procs: SetupProcesses, args: argparse.Namespace, cpus: list[int]) -> str:
+    """Start the engines of ``setup`` pinned one per core, then its router; the router's address."""
+    from pdserve.cluster import pick_free_ports
+
+    host = "127.0.0.1"
+    ports = pick_free_ports(host, 3)
+    model = ["--model", args.model] if args.model else []
+    engine_args = ["--max-model-len", str(args.max_model_len), *shlex.split(args.engine_args)]
+    roles = ["serve", "serve"] if setup == "colocated" else ["prefill", "decode"]
+    engines = []
+    for i, (role, port) in enumerate(zip(roles, ports[:2], strict=True)):
+        argv = [role, "--host", host, "--port", str(port), *model, *engine_args]
+        if role != "serve":
+            argv += ["--kv-transport", args.kv_transport, "--engine-id", f"bench-{role}-{port}"]
+        cpu = {cpus[i % len(cpus)]}
+        engines.append(procs.spawn(f"{setup}-{role}-{i}", argv, f"{host}:{port}", cpu))
+    procs.wait_healthy(engines)
+    addresses = [e.address for e in engines]
+    router = ["router", "--host", host, "--port", str(ports[2]), *model, "--policy", "round_robin"]
+    if setup == "colocated":
+        router += ["--decode", ",".join(addresses)]
+    else:
+        router += ["--prefill", addresses[0], "--decode", addresses[1], "--disagg-min-tokens", "0"]
+    child = procs.spawn(f"{setup}-router", router, f"{host}:{ports[2]}", None)
+    procs.wait_healthy([child])
+    return child.address
+
+
+# ---------------------------------------------------------------------- client
+
+
+@dataclass
+class RequestResult:
+    spec: RequestSpec
+    sent: float = 0.0
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in message)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(k for _, k in self.token_times)
+
+    def ttft_ms(self) -> float | None:
+        return (self.token_times[0][0] - self.sent) * 1e3 if self.token_times else None
+
+    def e2e_ms(self) -> float | None:
+        return (self.token_times[-1][0] - self.sent) * 1e3 if self.token_times else None
+
+    def itls_ms(self) -> list[float]:
+        """One gap per token after the first: a message of k tokens gives k gaps of 1/k each."""
+        gaps = []
+        for (before, _), (now, k) in zip(self.token_times, self.token_times[1:], strict=False):
+            gaps += [(now - before) * 1e3 / k] * k
+        return gaps
+
+
+async def run_requests(
+    address: str, specs: list[RequestSpec], tag: str, progress=None
+) -> list[RequestResult]:
+    """Send each spec at its arrival time (open loop) and stream it to the end."""
+    import grpc
+
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    results = [RequestResult(spec) for spec in specs]
+    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        start = time.perf_counter()
+
+        async def one(result: RequestResult) -> None:
+            spec = result.spec
+            await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+            request = router_pb2.GenerateRequest(
+                request_id=f"{tag}-{spec.index}-{secrets.token_hex(4)}",
+                prompt_token_ids=spec.prompt_token_ids,
+                sampling=common_pb2.SamplingParams(
+                    max_tokens=spec.output_len, temperature=0.0, ignore_eos=True
+                ),
+            )
+            result.sent = time.perf_counter()
+            try:
+                async for message in stub.Generate(request, timeout=STARTUP_TIMEOUT_S):
+                    if message.token_ids:
+                        result.token_times.append((time.perf_counter(), len(message.token_ids)))
+                    if message.HasField("metrics"):
+                        result.metrics = {
+                            f.name: getattr(message.metrics, f.name)
+                            for f in message.metrics.DESCRIPTOR.fields
+                        }
+            except grpc.aio.AioRpcError as exc:
+                result.error = f"{exc.code().name}: {exc.details()}"
+            if progress is not None:
+                progress.update(1)
+
+        await asyncio.gather(*(one(r) for r in results))
+    return results
+
+
+def engine_info(address: str) -> Any:
+    import grpc
+
+    from pdserve.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return engine_pb2_grpc.EngineStub(channel).Info(engine_pb2.InfoRequest(), timeout=10.0)
+
+
+def wait_router_ready(address: str, num_engines: int, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until the router sees every engine healthy and idle (nothing running, waiting or held)."""
+    from pdserve.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(address) as client:
+        while True:
+            stats = client.stats()
+            ready = len(stats) == num_engines and all(
+                s["healthy"]
+                and s["num_running"] == s["num_waiting"] == s["num_waiting_for_remote_kvs"] == 0
+                and s["num_held_blocks"] == 0
+                for s in stats
+            )
+            if ready:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engines not idle after {timeout_s:.0f}s: {stats}")
+            time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _stage_ms(result: RequestResult, setup: str) -> dict[str, float | None]:
+    """The router's breakdown of one request (transfer and decode only for P/D)."""
+    m = result.metrics
+    if not m:
+        return dict.fromkeys(STAGES)
+    stages: dict[str, float | None] = {"queue": m["queue_ms"], "prefill": m["prefill_ms"]}
+    if setup == "pd" and m.get("decode_ms"):
+        # The router's decode_ms runs from the prefill's end, so it holds the transfer too.
+        stages["transfer"] = m["transfer_ms"]
+        stages["decode"] = max(0.0, m["decode_ms"] - m["transfer_ms"])
+    else:
+        stages["transfer"] = stages["decode"] = None
+    return stages
+
+
+def request_record(setup: str, rate: float, result: RequestResult, slo: argparse.Namespace) -> dict[str, Any]:
+    ttft, e2e, itls = result.ttft_ms(), result.e2e_ms(), result.itls_ms()
+    n = result.num_tokens
+    ok = result.error is None and n > 0
+    itl_p90, itl_max = _pct(itls, 90), (max(itls) if itls else None)
+    itl_judged = (itl_max if slo.slo_itl_stat == "max" else itl_p90) or 0.0
+    meets = ok and ttft <= slo.slo_ttft_ms and itl_judged <= slo.slo_itl_ms
+    record = {
+        "setup": setup,
+        "rate": rate,
+        "index": result.spec.index,
+        "prompt_len": len(result.spec.prompt_token_ids),
+        "output_len": result.spec.output_len,
+        "num_tokens": n,
+        "error": result.error,
+        "ttft_ms": ttft,
+        "e2e_ms": e2e,
+        "tpot_ms": (e2e - ttft) / (n - 1) if ok and n > 1 else None,
+        "itl_p90_ms": itl_p90,
+        "itl_max_ms": itl_max,
+        "meets_slo": bool(meets),
+        "num_cached_tokens": result.metrics.get("num_cached_tokens"),
+    }
+    record.update({f"{st}_ms": v for st, v in _stage_ms(result, setup).items()})
+    return record
+
+
+def summarize(setup: str, rate: float, results: list[RequestResult], records: list[dict]) -> dict[str, Any]:
+    done = [r for r in results if r.error is None and r.num_tokens > 0]
+    ends = [r.token_times[-1][0] for r in done]
+    duration = (max(ends) - min(r.sent for r in results)) if done else 0.0
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: None)
+    good = sum(rec["meets_slo"] for rec in records)
+    row: dict[str, Any] = {
+        "setup": setup,
+        "rate": rate,
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "req_per_s": per_s(len(done)),
+        "out_tok_per_s": per_s(sum(r.num_tokens for r in done)),
+        "goodput_frac": good / len(results) if results else None,
+        "goodput_req_per_s": per_s(good),
+    }
+    samples = {
+        "ttft": [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None],
+        "itl": [gap for r in done for gap in r.itls_ms()],
+        "tpot": [rec["tpot_ms"] for rec in records if rec["tpot_ms"] is not None],
+        "e2e": [rec["e2e_ms"] for rec in records if rec["e2e_ms"] is not None],
+    }
+    for metric, values in samples.items():
+        row[f"{metric}_ms_mean"] = _mean(values)
+        for q in (50, 90, 99):
+            row[f"{metric}_ms_p{q}"] = _pct(values, q)
+    for stage in STAGES:
+        values = [rec[f"{stage}_ms"] for rec in records if rec[f"{stage}_ms"] is not None]
+        row[f"{stage}_ms_mean"] = _mean(values)
+        row[f"{stage}_ms_p50"] = _pct(values, 50)
+        row[f"{stage}_ms_p99"] = _pct(values, 99)
+    assert set(row) == set(ROW_KEYS), set(row) ^ set(ROW_KEYS)
+    return row
+
+
+# ---------------------------------------------------------------------- report
+
+
+def print_report(rows: list[dict], args: argparse.Namespace) -> None:
+    itl_stat = args.slo_itl_stat
+    columns = ["setup", "rate", "ok", "req/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p90",
+               "ITL p99", "TPOT p50", "goodput", "good req/s", "xfer p50", "xfer p99"]  # fmt: skip
+    table = [
+        {
+            "setup": r["setup"],
+            "rate": r["rate"],
+            "ok": f"{r['completed']}/{r['num_requests']}",
+            "req/s": r["req_per_s"],
+            "tok/s": r["out_tok_per_s"],
+            "TTFT p50": r["ttft_ms_p50"],
+            "TTFT p99": r["ttft_ms_p99"],
+            "ITL p50": r["itl_ms_p50"],
+            "ITL p90": r["itl_ms_p90"],
+            "ITL p99": r["itl_ms_p99"],
+            "TPOT p50": r["tpot_ms_p50"],
+            "goodput": f"{r['goodput_frac']:.0%}" if r["goodput_frac"] is not None else None,
+            "good req/s": r["goodput_req_per_s"],
+            "xfer p50": r["transfer_ms_p50"],
+            "xfer p99": r["transfer_ms_p99"],
+        }  # fmt: skip
+        for r in rows
+    ]
+    print_table(
+        f"Serving (latencies in ms; goodput: TTFT <= {args.slo_ttft_ms:g} ms and per-request ITL "
+        f"{itl_stat} <= {args.slo_itl_ms:g} ms)",
+        table,
+        columns,
+    )
+    pd_rows = [r for r in rows if r["setup"] == "pd"]
+    if pd_rows:
+
+        def cell(r: dict, stage: str) -> str:
+            parts = [r[f"{stage}_ms_{s}"] for s in ("mean", "p50", "p99")]
+            return " / ".join("-" if v is None else f"{v:.1f}" for v in parts)
+
+        breakdown = [{"rate": r["rate"], **{st: cell(r, st) for st in STAGES}} for r in pd_rows]
+        print_table("P/D: where a request's time goes (router clock, ms: mean / p50 / p99)", breakdown,
+                    ["rate", *STAGES])  # fmt: skip
+
+
+def _cdf(ax, values: list[float], label: str) -> None:
+    if not values:
+        return
+    xs = np.sort(values)
+    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
+
+
+def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[str], plot_dir: str,
+             args: argparse.Namespace) -> list[str]:  # fmt: skip
+    """Latency CDFs per rate (one line per setup), goodput vs rate, and the P/D breakdown."""
+    paths = []
+    for metric, label, slo in (("ttft", "TTFT (ms)", args.slo_ttft_ms), ("itl", "inter-token latency (ms)",
+                                                                         args.slo_itl_ms)):  # fmt: skip
+        fig, axes = new_figure(1, len(rates), figsize=(4.2 * len(rates), 3.6), squeeze=False)
+        for ax, rate in zip(axes[0], rates, strict=True):
+            for setup in setups:
+                _cdf(ax, samples.get((setup, rate, metric), []), setup)
+            ax.axvline(slo, color="grey", linestyle=":", label="SLO")
+            ax.set_xscale("log")
+            ax.set_title(f"{rate:g} req/s")
+            ax.set_xlabel(label)
+            ax.set_ylabel("fraction of " + ("requests" if metric == "ttft" else "tokens"))
+            ax.grid(alpha=0.3)
+            ax.legend()
+        path = os.path.join(plot_dir, f"serve_{metric}_cdf.png")
+        save_figure(fig, path)
+        paths.append(path)
+
+    fig, (ax_rate, ax_frac) = new_figure(1, 2, figsize=(9, 3.6))
+    for setup in setups:
+        mine = sorted(
+            (r for r in rows if r["setup"] == setup and np.isfinite(r["rate"])), key=lambda r: r["rate"]
+        )
+        xs = [r["rate"] for r in mine]
+        ax_rate.plot(xs, [r["goodput_req_per_s"] or 0.0 for r in mine], marker="o", label=setup)
+        ax_frac.plot(xs, [100 * (r["goodput_frac"] or 0.0) for r in mine], marker="o", label=setup)
+    finite = [r for r in rates if np.isfinite(r)]
+    if finite:
+        ax_rate.plot(finite, finite, color="grey", linestyle=":", label="offered")
+    ax_rate.set_ylabel("goodput (req/s meeting the SLO)")
+    ax_frac.set_ylabel("requests meeting the SLO (%)")
+    ax_frac.set_ylim(0, 105)
+    for ax in (ax_rate, ax_frac):
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SLO: TTFT <= {args.slo_ttft_ms:g} ms, ITL {args.slo_itl_stat} <= {args.slo_itl_ms:g} ms")
+    path = os.path.join(plot_dir, "serve_goodput.png")
+    save_figure(fig, path)
+    paths.append(path)
+
+    pd_rows = sorted((r for r in rows if r["setup"] == "pd"), key=lambda r: r["rate"])
+    if pd_rows:
+        fig, ax = new_figure(figsize=(1.6 * len(pd_rows) + 3, 3.6))
+        labels = [f"{r['rate']:g}" for r in pd_rows]
+        bottom = np.zeros(len(pd_rows))
+        for stage in STAGES:
+            heights = np.array([r[f"{stage}_ms_mean"] or 0.0 for r in pd_rows])
+            ax.bar(labels, heights, bottom=bottom, label=stage)
+            bottom += heights
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("mean time per request (ms)")
+        ax.set_title("P/D: router queue, prefill, transfer, decode")
+        ax.legend()
+        path = os.path.join(plot_dir, "serve_pd_breakdown.png")
+        save_figure(fig, path)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def _json_rate(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no infinity: an all-at-once rate is written as "inf"."""
+    return {**row, "rate": row["rate"] if np.isfinite(row["rate"]) else "inf"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="req/s (inf: all at once)")
+    p.add_argument("--num-requests", type=int, default=64, help="per rate and setup")
+    p.add_argument("--prompt-len", default="512", help="N or LO:HI (uniform)")
+    p.add_argument("--output-len", default="64", help="N or LO:HI (uniform)")
+    p.add_argument(
+        "--dataset", default=None, help='JSONL of {"prompt_len": .., "output_len": ..} (overrides lengths)'
+    )
+    p.add_argument(
+        "--shared-prefix-frac", type=float, default=0.0, help="this fraction of each prompt is shared"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent one by one before each setup's runs")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=100.0)
+    p.add_argument(
+        "--slo-itl-stat", default="p90", choices=["p90", "max"], help="a request's ITL for the SLO"
+    )
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: max(2048, longest request)")
+    p.add_argument("--engine-args", default="", help='extra args for every engine, e.g. "--num-blocks 512"')
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    p.add_argument("--cpus", default=None, help="comma-separated cores, one per engine (default: first two)")
+    p.add_argument("--json", default=None, help="default: bench-results/serve.json")
+    p.add_argument("--plot-dir", default=None, help="default: bench-results/")
+    p.add_argument("--log-dir", default=None, help="process logs (default: a temp dir, kept on failure)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        workload = Workload(
+            prompt_len=parse_length(args.prompt_len),
+            output_len=parse_length(args.output_len),
+            dataset=load_dataset(args.dataset) if args.dataset else None,
+            shared_prefix_frac=args.shared_prefix_frac,
+            seed=args.seed,
+            token_range=(0, 1),  # set once the engines tell us their vocabulary
+        )
+        if not 0.0 <= args.shared_prefix_frac <= 1.0:
+            raise ValueError(f"--shared-prefix-frac must be in [0, 1], got {args.shared_prefix_frac}")
+        if args.num_requests < 1 or any(r <= 0 for r in args.rates):
+            raise ValueError("--num-requests and every rate must be positive")
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.max_model_len = args.max_model_len or max(2048, workload.max_total_len())
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed[:2]
+    if len(cpus) < 2:
+        print(f"warning: only cpu {cpus} available: both engines share it", file=sys.stderr)
+    own_log_dir = args.log_dir is None
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-serve-")
+    os.makedirs(log_dir, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
+
+    from tqdm import tqdm
+
+    def say(message: str) -> None:
+        tqdm.write(f"[bench serve] {message}", file=sys.stderr)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the children
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    rows: list[dict] = []
+    records: list[dict] = []
+    samples: dict[tuple[str, float, str], list[float]] = {}  # {(setup, rate, "ttft"|"itl"): ms values}
+    load_before = os.getloadavg()
+    failed = False
+    try:
+        for setup in args.setups:
+            with SetupProcesses(log_dir, env, say) as procs:
+                say(f"{setup}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
+                router = start_setup(setup, procs, args, cpus)
+                info = engine_info(procs.children[0].address)
+                workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
+                wait_router_ready(router, num_engines=2)
+                warm = workload.draw(args.warmup, 1.0, stream=0)
+                for spec in warm:  # one by one, so every engine and both paths are warm
+                    res = asyncio.run(run_requests(router, [replace(spec, arrival_s=0.0)], f"warm-{setup}"))
+                    if res[0].error:
+                        raise RuntimeError(f"{setup}: warm-up request failed: {res[0].error}")
+                for i, rate in enumerate(args.rates, start=1):
+                    wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
+                    specs = workload.draw(args.num_requests, rate, stream=i)
+                    bar = tqdm(total=len(specs), desc=f"{setup} @ {rate:g} req/s", unit="req",
+                               disable=args.no_progress, leave=True)  # fmt: skip
+                    with bar:
+                        results = asyncio.run(run_requests(router, specs, f"{setup}-{rate:g}", bar))
+                    procs.check_alive()
+                    mine = [request_record(setup, rate, r, args) for r in results]
+                    rows.append(summarize(setup, rate, results, mine))
+                    records += mine
+                    samples[(setup, rate, "ttft")] = [m["ttft_ms"] for m in mine if m["ttft_ms"] is not None]
+                    samples[(setup, rate, "itl")] = [
+                        g for r in results if r.error is None for g in r.itls_ms()
+                    ]
+                    errors = {r.error for r in results if r.error}
+                    if errors:
+                        say(f"{setup} @ {rate:g}: {rows[-1]['failed']} failed: {sorted(errors)[:3]}")
+                say(f"{setup}: stopping")
+    except Exception as exc:
+        failed = True
+        print(f"error: {exc}\n(process logs in {log_dir})", file=sys.stderr)
+        return 1
+    except BaseException:
+        failed = True
+        print(f"\ninterrupted; every process stopped (logs in {log_dir})", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if own_log_dir and not failed:
+            import shutil
+
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    print_report(rows, args)
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "log_dir", "no_progress")}
+    payload = {
+        "config": {**config, "cpus": cpus[:2], "rates": [r if np.isfinite(r) else "inf" for r in args.rates]},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
+        "rows": [_json_rate(r) for r in rows],
+        "requests": [_json_rate(r) for r in records],
+    }
+    save_json(args.json or default_path("serve", "json"), payload)
+    plot_dir = args.plot_dir or os.path.dirname(default_path("serve", "json"))
+    plot_all(rows, samples, args.rates, args.setups, plot_dir, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
