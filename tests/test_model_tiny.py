@@ -7,6 +7,7 @@ comparisons with transformers (Llama and Qwen2 variants) are marked slow.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -239,15 +240,51 @@ def test_random_init_model_runs_without_loader():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qwen2"])
-def test_tiny_logits_match_transformers(tmp_path, attention_bias):
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "llama3-rope"])
+def test_tiny_logits_match_transformers(tmp_path, variant):
     from transformers import AutoModelForCausalLM
 
-    directory = write_tiny_model(str(tmp_path), seed=3, attention_bias=attention_bias)
+    directory = write_tiny_model(str(tmp_path), seed=3, attention_bias=variant == "qwen2")
+    if variant == "llama3-rope":  # long wavelengths slowed down, as Llama 3.1 does
+        path = os.path.join(directory, "config.json")
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
     ours = load_model(directory)
+    assert (ours.arch.rope_scaling is not None) == (variant == "llama3-rope")
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    assert type(hf).__name__ == ("Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM")
-    ids = ours.tokenizer.encode(PROMPT)
+    assert type(hf).__name__ == ("Qwen2ForCausalLM" if variant == "qwen2" else "LlamaForCausalLM")
+    ids = ours.tokenizer.encode(PROMPT * 3)
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
     assert_logits_close(prefill_logits(ours.model, ours.arch, ids), expected, rel=1e-5)
+
+
+def test_load_model_rejects_missing_path_and_unknown_arch(tmp_path, tiny_dir):
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "missing"))
+    with open(os.path.join(tiny_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    with pytest.raises(ValueError, match="model_type"):
+        ModelArchConfig.from_hf_config({**cfg, "model_type": "gpt2"})
+
+
+def test_hf_config_rope_forms_agree(tiny_dir):
+    """transformers 4.x ``rope_theta`` + ``rope_scaling`` and 5.x ``rope_parameters`` read alike."""
+    with open(os.path.join(tiny_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024}  # fmt: skip
+    old = {**cfg, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}
+    new = {k: v for k, v in cfg.items() if k != "rope_theta"}
+    new["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}
+    assert ModelArchConfig.from_hf_config(old) == ModelArchConfig.from_hf_config(new)
+    arch = ModelArchConfig.from_hf_config(new)
+    assert arch.rope_theta == 500000.0 and arch.rope_scaling["rope_type"] == "llama3"
+    plain = ModelArchConfig.from_hf_config(
+        {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}}
+    )
+    assert plain.rope_scaling is None

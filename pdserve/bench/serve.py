@@ -17,7 +17,7 @@ greedy with ``ignore_eos`` and streams its tokens back.
 Latencies are taken on the client: TTFT from sending a request to its first token; ITL between
 consecutive streamed messages (a message carrying k tokens counts k gaps of 1/k of the time);
 TPOT = (e2e - TTFT) / (output tokens - 1). A request meets the SLO when TTFT <= ``--slo-ttft-ms``
-and its own ITL p90 (or max, ``--slo-itl-stat``) <= ``--slo-itl-ms``; goodput is the fraction of
+and its own longest gap (or its ITL p90: ``--slo-itl-stat``) <= ``--slo-itl-ms``; goodput is the fraction of
 requests that meet it and their number per second of the run. The P/D breakdown is the router's
 own clock: ``queue`` (arrival to dispatch), ``prefill`` (dispatch to the prefill's token),
 ``transfer`` (prefill done to the decode engine's first token: decode queueing + KV pull + one
@@ -34,33 +34,35 @@ import os
 import platform
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
+from pdserve.bench.report import default_path, save_json
+from pdserve.bench.serve_report import (
+    REQUEST_KEYS,
+    ROW_KEYS,
+    STAGES,
+    RequestResult,
+    plot_all,
+    print_report,
+    request_record,
+    summarize,
+)
+
+__all__ = ["REQUEST_KEYS", "ROW_KEYS", "STAGES", "main"]
 
 SETUPS = ("colocated", "pd")
-STAGES = ("queue", "prefill", "transfer", "decode")  # the P/D breakdown, in request order
-# Every JSON row has these keys (None where a value does not apply, e.g. transfer for colocated).
-ROW_KEYS = (
-    "setup", "rate", "num_requests", "completed", "failed", "duration_s",
-    "req_per_s", "out_tok_per_s", "goodput_frac", "goodput_req_per_s",
-    *(f"{m}_ms_{s}" for m in ("ttft", "itl", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99")),
-    *(f"{st}_ms_{s}" for st in STAGES for s in ("mean", "p50", "p99")),
-)  # fmt: skip
-REQUEST_KEYS = (
-    "setup", "rate", "index", "prompt_len", "output_len", "num_tokens", "error",
-    "ttft_ms", "e2e_ms", "tpot_ms", "itl_p90_ms", "itl_max_ms", "meets_slo", "num_cached_tokens",
-    *(f"{st}_ms" for st in STAGES),
-)  # fmt: skip
 STARTUP_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 600.0  # a request still streaming after this counts as failed (DEADLINE_EXCEEDED)
 IDLE_TIMEOUT_S = 60.0
 GRACE_S = 10.0
 
@@ -299,32 +301,6 @@ def start_setup(setup: str, procs: SetupProcesses, args: argparse.Namespace, cpu
 # ---------------------------------------------------------------------- client
 
 
-@dataclass
-class RequestResult:
-    spec: RequestSpec
-    sent: float = 0.0
-    token_times: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in message)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(k for _, k in self.token_times)
-
-    def ttft_ms(self) -> float | None:
-        return (self.token_times[0][0] - self.sent) * 1e3 if self.token_times else None
-
-    def e2e_ms(self) -> float | None:
-        return (self.token_times[-1][0] - self.sent) * 1e3 if self.token_times else None
-
-    def itls_ms(self) -> list[float]:
-        """One gap per token after the first: a message of k tokens gives k gaps of 1/k each."""
-        gaps = []
-        for (before, _), (now, k) in zip(self.token_times, self.token_times[1:], strict=False):
-            gaps += [(now - before) * 1e3 / k] * k
-        return gaps
-
-
 async def run_requests(
     address: str, specs: list[RequestSpec], tag: str, progress=None
 ) -> list[RequestResult]:
@@ -351,7 +327,7 @@ async def run_requests(
             )
             result.sent = time.perf_counter()
             try:
-                async for message in stub.Generate(request, timeout=STARTUP_TIMEOUT_S):
+                async for message in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
                     if message.token_ids:
                         result.token_times.append((time.perf_counter(), len(message.token_ids)))
                     if message.HasField("metrics"):
@@ -398,212 +374,55 @@ def wait_router_ready(address: str, num_engines: int, timeout_s: float = STARTUP
             time.sleep(0.1)
 
 
-# ---------------------------------------------------------------------- statistics
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def _mean(values: list[float]) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
-def _stage_ms(result: RequestResult, setup: str) -> dict[str, float | None]:
-    """The router's breakdown of one request (transfer and decode only for P/D)."""
-    m = result.metrics
-    if not m:
-        return dict.fromkeys(STAGES)
-    stages: dict[str, float | None] = {"queue": m["queue_ms"], "prefill": m["prefill_ms"]}
-    if setup == "pd" and m.get("decode_ms"):
-        # The router's decode_ms runs from the prefill's end, so it holds the transfer too.
-        stages["transfer"] = m["transfer_ms"]
-        stages["decode"] = max(0.0, m["decode_ms"] - m["transfer_ms"])
-    else:
-        stages["transfer"] = stages["decode"] = None
-    return stages
-
-
-def request_record(setup: str, rate: float, result: RequestResult, slo: argparse.Namespace) -> dict[str, Any]:
-    ttft, e2e, itls = result.ttft_ms(), result.e2e_ms(), result.itls_ms()
-    n = result.num_tokens
-    ok = result.error is None and n > 0
-    itl_p90, itl_max = _pct(itls, 90), (max(itls) if itls else None)
-    itl_judged = (itl_max if slo.slo_itl_stat == "max" else itl_p90) or 0.0
-    meets = ok and ttft <= slo.slo_ttft_ms and itl_judged <= slo.slo_itl_ms
-    record = {
-        "setup": setup,
-        "rate": rate,
-        "index": result.spec.index,
-        "prompt_len": len(result.spec.prompt_token_ids),
-        "output_len": result.spec.output_len,
-        "num_tokens": n,
-        "error": result.error,
-        "ttft_ms": ttft,
-        "e2e_ms": e2e,
-        "tpot_ms": (e2e - ttft) / (n - 1) if ok and n > 1 else None,
-        "itl_p90_ms": itl_p90,
-        "itl_max_ms": itl_max,
-        "meets_slo": bool(meets),
-        "num_cached_tokens": result.metrics.get("num_cached_tokens"),
-    }
-    record.update({f"{st}_ms": v for st, v in _stage_ms(result, setup).items()})
-    return record
-
-
-def summarize(setup: str, rate: float, results: list[RequestResult], records: list[dict]) -> dict[str, Any]:
-    done = [r for r in results if r.error is None and r.num_tokens > 0]
-    ends = [r.token_times[-1][0] for r in done]
-    duration = (max(ends) - min(r.sent for r in results)) if done else 0.0
-    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: None)
-    good = sum(rec["meets_slo"] for rec in records)
-    row: dict[str, Any] = {
-        "setup": setup,
-        "rate": rate,
-        "num_requests": len(results),
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "duration_s": duration,
-        "req_per_s": per_s(len(done)),
-        "out_tok_per_s": per_s(sum(r.num_tokens for r in done)),
-        "goodput_frac": good / len(results) if results else None,
-        "goodput_req_per_s": per_s(good),
-    }
-    samples = {
-        "ttft": [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None],
-        "itl": [gap for r in done for gap in r.itls_ms()],
-        "tpot": [rec["tpot_ms"] for rec in records if rec["tpot_ms"] is not None],
-        "e2e": [rec["e2e_ms"] for rec in records if rec["e2e_ms"] is not None],
-    }
-    for metric, values in samples.items():
-        row[f"{metric}_ms_mean"] = _mean(values)
-        for q in (50, 90, 99):
-            row[f"{metric}_ms_p{q}"] = _pct(values, q)
-    for stage in STAGES:
-        values = [rec[f"{stage}_ms"] for rec in records if rec[f"{stage}_ms"] is not None]
-        row[f"{stage}_ms_mean"] = _mean(values)
-        row[f"{stage}_ms_p50"] = _pct(values, 50)
-        row[f"{stage}_ms_p99"] = _pct(values, 99)
-    assert set(row) == set(ROW_KEYS), set(row) ^ set(ROW_KEYS)
-    return row
-
-
-# ---------------------------------------------------------------------- report
-
-
-def print_report(rows: list[dict], args: argparse.Namespace) -> None:
-    itl_stat = args.slo_itl_stat
-    columns = ["setup", "rate", "ok", "req/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p90",
-               "ITL p99", "TPOT p50", "goodput", "good req/s", "xfer p50", "xfer p99"]  # fmt: skip
-    table = [
-        {
-            "setup": r["setup"],
-            "rate": r["rate"],
-            "ok": f"{r['completed']}/{r['num_requests']}",
-            "req/s": r["req_per_s"],
-            "tok/s": r["out_tok_per_s"],
-            "TTFT p50": r["ttft_ms_p50"],
-            "TTFT p99": r["ttft_ms_p99"],
-            "ITL p50": r["itl_ms_p50"],
-            "ITL p90": r["itl_ms_p90"],
-            "ITL p99": r["itl_ms_p99"],
-            "TPOT p50": r["tpot_ms_p50"],
-            "goodput": f"{r['goodput_frac']:.0%}" if r["goodput_frac"] is not None else None,
-            "good req/s": r["goodput_req_per_s"],
-            "xfer p50": r["transfer_ms_p50"],
-            "xfer p99": r["transfer_ms_p99"],
-        }  # fmt: skip
-        for r in rows
-    ]
-    print_table(
-        f"Serving (latencies in ms; goodput: TTFT <= {args.slo_ttft_ms:g} ms and per-request ITL "
-        f"{itl_stat} <= {args.slo_itl_ms:g} ms)",
-        table,
-        columns,
-    )
-    pd_rows = [r for r in rows if r["setup"] == "pd"]
-    if pd_rows:
-
-        def cell(r: dict, stage: str) -> str:
-            parts = [r[f"{stage}_ms_{s}"] for s in ("mean", "p50", "p99")]
-            return " / ".join("-" if v is None else f"{v:.1f}" for v in parts)
-
-        breakdown = [{"rate": r["rate"], **{st: cell(r, st) for st in STAGES}} for r in pd_rows]
-        print_table("P/D: where a request's time goes (router clock, ms: mean / p50 / p99)", breakdown,
-                    ["rate", *STAGES])  # fmt: skip
-
-
-def _cdf(ax, values: list[float], label: str) -> None:
-    if not values:
-        return
-    xs = np.sort(values)
-    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
-
-
-def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[str], plot_dir: str,
-             args: argparse.Namespace) -> list[str]:  # fmt: skip
-    """Latency CDFs per rate (one line per setup), goodput vs rate, and the P/D breakdown."""
-    paths = []
-    for metric, label, slo in (("ttft", "TTFT (ms)", args.slo_ttft_ms), ("itl", "inter-token latency (ms)",
-                                                                         args.slo_itl_ms)):  # fmt: skip
-        fig, axes = new_figure(1, len(rates), figsize=(4.2 * len(rates), 3.6), squeeze=False)
-        for ax, rate in zip(axes[0], rates, strict=True):
-            for setup in setups:
-                _cdf(ax, samples.get((setup, rate, metric), []), setup)
-            ax.axvline(slo, color="grey", linestyle=":", label="SLO")
-            ax.set_xscale("log")
-            ax.set_title(f"{rate:g} req/s")
-            ax.set_xlabel(label)
-            ax.set_ylabel("fraction of " + ("requests" if metric == "ttft" else "tokens"))
-            ax.grid(alpha=0.3)
-            ax.legend()
-        path = os.path.join(plot_dir, f"serve_{metric}_cdf.png")
-        save_figure(fig, path)
-        paths.append(path)
-
-    fig, (ax_rate, ax_frac) = new_figure(1, 2, figsize=(9, 3.6))
-    for setup in setups:
-        mine = sorted(
-            (r for r in rows if r["setup"] == setup and np.isfinite(r["rate"])), key=lambda r: r["rate"]
-        )
-        xs = [r["rate"] for r in mine]
-        ax_rate.plot(xs, [r["goodput_req_per_s"] or 0.0 for r in mine], marker="o", label=setup)
-        ax_frac.plot(xs, [100 * (r["goodput_frac"] or 0.0) for r in mine], marker="o", label=setup)
-    finite = [r for r in rates if np.isfinite(r)]
-    if finite:
-        ax_rate.plot(finite, finite, color="grey", linestyle=":", label="offered")
-    ax_rate.set_ylabel("goodput (req/s meeting the SLO)")
-    ax_frac.set_ylabel("requests meeting the SLO (%)")
-    ax_frac.set_ylim(0, 105)
-    for ax in (ax_rate, ax_frac):
-        ax.set_xlabel("request rate (req/s)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"SLO: TTFT <= {args.slo_ttft_ms:g} ms, ITL {args.slo_itl_stat} <= {args.slo_itl_ms:g} ms")
-    path = os.path.join(plot_dir, "serve_goodput.png")
-    save_figure(fig, path)
-    paths.append(path)
-
-    pd_rows = sorted((r for r in rows if r["setup"] == "pd"), key=lambda r: r["rate"])
-    if pd_rows:
-        fig, ax = new_figure(figsize=(1.6 * len(pd_rows) + 3, 3.6))
-        labels = [f"{r['rate']:g}" for r in pd_rows]
-        bottom = np.zeros(len(pd_rows))
-        for stage in STAGES:
-            heights = np.array([r[f"{stage}_ms_mean"] or 0.0 for r in pd_rows])
-            ax.bar(labels, heights, bottom=bottom, label=stage)
-            bottom += heights
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("mean time per request (ms)")
-        ax.set_title("P/D: router queue, prefill, transfer, decode")
-        ax.legend()
-        path = os.path.join(plot_dir, "serve_pd_breakdown.png")
-        save_figure(fig, path)
-        paths.append(path)
-    return paths
-
-
 # ---------------------------------------------------------------------- driver
+
+
+@dataclass
+class SetupRun:
+    """What one setup produced over every rate."""
+
+    rows: list[dict] = field(default_factory=list)  # one per rate
+    records: list[dict] = field(default_factory=list)  # one per request
+    samples: dict[tuple[str, float, str], list[float]] = field(
+        default_factory=dict
+    )  # {(setup, rate, "ttft"|"itl"): ms}
+    kv_transport: str | None = None
+
+
+def run_setup(
+    setup: str, procs: SetupProcesses, workload: Workload, args: argparse.Namespace, cpus: list[int], say
+) -> SetupRun:
+    """Start ``setup``, warm it up, then run every rate on it, one after the other from idle."""
+    from tqdm import tqdm
+
+    run = SetupRun()
+    say(f"{setup}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
+    router = start_setup(setup, procs, args, cpus)
+    info = engine_info(procs.children[0].address)
+    workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
+    run.kv_transport = info.kv_transport or None
+    wait_router_ready(router, num_engines=2)
+    for spec in workload.draw(args.warmup, 1.0, stream=0):  # one by one: every engine and path warm
+        (result,) = asyncio.run(run_requests(router, [replace(spec, arrival_s=0.0)], f"warm-{setup}"))
+        if result.error:
+            raise RuntimeError(f"{setup}: warm-up request failed: {result.error}")
+    for i, rate in enumerate(args.rates, start=1):
+        wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
+        specs = workload.draw(args.num_requests, rate, stream=i)
+        desc = f"{setup} @ {rate:g} req/s"
+        with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
+            results = asyncio.run(run_requests(router, specs, f"{setup}-{rate:g}", bar))
+        procs.check_alive()
+        records = [request_record(setup, rate, r, args) for r in results]
+        run.rows.append(summarize(setup, rate, results, records))
+        run.records += records
+        run.samples[(setup, rate, "ttft")] = [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None]
+        run.samples[(setup, rate, "itl")] = [g for r in results if r.error is None for g in r.itls_ms()]
+        errors = sorted({r.error for r in results if r.error})
+        if errors:
+            say(f"{desc}: {run.rows[-1]['failed']} failed: {errors[:3]}")
+    say(f"{setup}: stopping")
+    return run
 
 
 def _json_rate(row: dict[str, Any]) -> dict[str, Any]:
@@ -614,8 +433,10 @@ def _json_rate(row: dict[str, Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="req/s (inf: all at once)")
-    p.add_argument("--num-requests", type=int, default=64, help="per rate and setup")
+    p.add_argument(
+        "--rates", type=float, nargs="+", default=[0.1, 0.25, 0.5], help="req/s (inf: all at once)"
+    )
+    p.add_argument("--num-requests", type=int, default=32, help="per rate and setup")
     p.add_argument("--prompt-len", default="512", help="N or LO:HI (uniform)")
     p.add_argument("--output-len", default="64", help="N or LO:HI (uniform)")
     p.add_argument(
@@ -626,14 +447,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent one by one before each setup's runs")
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-itl-ms", type=float, default=100.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=500.0)
     p.add_argument(
-        "--slo-itl-stat", default="p90", choices=["p90", "max"], help="a request's ITL for the SLO"
+        "--slo-itl-stat",
+        default="max",
+        choices=["p90", "max"],
+        help="which of a request's gaps is held to --slo-itl-ms: the longest (a stall fails it) or its p90",
     )
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: max(2048, longest request)")
-    p.add_argument("--engine-args", default="", help='extra args for every engine, e.g. "--num-blocks 512"')
+    p.add_argument(
+        "--engine-args", default="", help='extra args for every engine: --engine-args="--num-blocks 512"'
+    )
     p.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
     p.add_argument("--cpus", default=None, help="comma-separated cores, one per engine (default: first two)")
     p.add_argument("--json", default=None, help="default: bench-results/serve.json")
@@ -658,14 +484,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--shared-prefix-frac must be in [0, 1], got {args.shared_prefix_frac}")
         if args.num_requests < 1 or any(r <= 0 for r in args.rates):
             raise ValueError("--num-requests and every rate must be positive")
+        allowed = sorted(os.sched_getaffinity(0))
+        cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed[:2]
+        if not set(cpus) <= set(allowed):
+            raise ValueError(f"--cpus {args.cpus}: this process may only use cpus {allowed}")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.max_model_len = args.max_model_len or max(2048, workload.max_total_len())
-    allowed = sorted(os.sched_getaffinity(0))
-    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed[:2]
     if len(cpus) < 2:
         print(f"warning: only cpu {cpus} available: both engines share it", file=sys.stderr)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"note: load average {load:.1f} before start: other work shares these cores, timings are noisy",
+              file=sys.stderr)  # fmt: skip
     own_log_dir = args.log_dir is None
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-serve-")
     os.makedirs(log_dir, exist_ok=True)
@@ -680,63 +512,49 @@ def main(argv: list[str] | None = None) -> int:
     def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the children
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     rows: list[dict] = []
     records: list[dict] = []
     samples: dict[tuple[str, float, str], list[float]] = {}  # {(setup, rate, "ttft"|"itl"): ms values}
+    kv_transport_used = None
     load_before = os.getloadavg()
     failed = False
     try:
         for setup in args.setups:
             with SetupProcesses(log_dir, env, say) as procs:
-                say(f"{setup}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
-                router = start_setup(setup, procs, args, cpus)
-                info = engine_info(procs.children[0].address)
-                workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
-                wait_router_ready(router, num_engines=2)
-                warm = workload.draw(args.warmup, 1.0, stream=0)
-                for spec in warm:  # one by one, so every engine and both paths are warm
-                    res = asyncio.run(run_requests(router, [replace(spec, arrival_s=0.0)], f"warm-{setup}"))
-                    if res[0].error:
-                        raise RuntimeError(f"{setup}: warm-up request failed: {res[0].error}")
-                for i, rate in enumerate(args.rates, start=1):
-                    wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
-                    specs = workload.draw(args.num_requests, rate, stream=i)
-                    bar = tqdm(total=len(specs), desc=f"{setup} @ {rate:g} req/s", unit="req",
-                               disable=args.no_progress, leave=True)  # fmt: skip
-                    with bar:
-                        results = asyncio.run(run_requests(router, specs, f"{setup}-{rate:g}", bar))
-                    procs.check_alive()
-                    mine = [request_record(setup, rate, r, args) for r in results]
-                    rows.append(summarize(setup, rate, results, mine))
-                    records += mine
-                    samples[(setup, rate, "ttft")] = [m["ttft_ms"] for m in mine if m["ttft_ms"] is not None]
-                    samples[(setup, rate, "itl")] = [
-                        g for r in results if r.error is None for g in r.itls_ms()
-                    ]
-                    errors = {r.error for r in results if r.error}
-                    if errors:
-                        say(f"{setup} @ {rate:g}: {rows[-1]['failed']} failed: {sorted(errors)[:3]}")
-                say(f"{setup}: stopping")
+                run = run_setup(setup, procs, workload, args, cpus, say)
+            rows += run.rows
+            records += run.records
+            samples.update(run.samples)
+            kv_transport_used = run.kv_transport or kv_transport_used
     except Exception as exc:
         failed = True
         print(f"error: {exc}\n(process logs in {log_dir})", file=sys.stderr)
         return 1
-    except BaseException:
+    except KeyboardInterrupt:
         failed = True
         print(f"\ninterrupted; every process stopped (logs in {log_dir})", file=sys.stderr)
+        return 130
+    except BaseException:  # SystemExit from SIGTERM
+        failed = True
+        print(f"\nterminated; every process stopped (logs in {log_dir})", file=sys.stderr)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if own_log_dir and not failed:
-            import shutil
-
             shutil.rmtree(log_dir, ignore_errors=True)
 
     print_report(rows, args)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "log_dir", "no_progress")}
     payload = {
-        "config": {**config, "cpus": cpus[:2], "rates": [r if np.isfinite(r) else "inf" for r in args.rates]},
+        "config": {
+            **config,
+            "cpus": cpus[:2],
+            "kv_transport_used": kv_transport_used,
+            "rates": [r if np.isfinite(r) else "inf" for r in args.rates],
+        },
         "machine": {
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),

@@ -100,7 +100,9 @@ class EngineCore:
         live = [rid for rid in request_ids if rid in self.scheduler.requests]
         unfinished = [rid for rid in live if not self.scheduler.requests[rid].is_finished()]
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in unfinished]
+        return [
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in unfinished
+        ]
 
     # ------------------------------------------------------------------ the loop
 
@@ -112,9 +114,21 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
-        runner_output = self.runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception as exc:  # one bad batch must not take the engine (and every request) down
+            return self._fail_step(list(scheduler_output.num_scheduled_tokens), exc)
         per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
         return [output for outs in per_client.values() for output in outs.outputs]
+
+    def _fail_step(self, request_ids: list[str], exc: Exception) -> list[EngineCoreOutput]:
+        logger.exception("model step failed; failing its %d requests: %s", len(request_ids), request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        reason = f"internal error: {type(exc).__name__}: {exc}"
+        return [
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error", stop_reason=reason)
+            for rid in request_ids
+        ]
 
     def stats(self) -> SchedulerStats:
         scheduler = self.scheduler
@@ -169,7 +183,16 @@ class EngineCore:
             self.add_request(item)
         except ValueError as exc:
             logger.info("rejected request %s: %s", item.request_id, exc)
-            emit([EngineCoreOutput(request_id=item.request_id, new_token_ids=[], finish_reason="error", stop_reason=str(exc))])
+            emit(
+                [
+                    EngineCoreOutput(
+                        request_id=item.request_id,
+                        new_token_ids=[],
+                        finish_reason="error",
+                        stop_reason=str(exc),
+                    )
+                ]
+            )
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -42,9 +42,12 @@ _FINISH_REASONS = {
 }
 
 
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature=0`` is greedy."""
+    """How to pick each next token. ``temperature=0`` (or below 1e-5, as in vLLM) is greedy."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -77,7 +80,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32: it is greedy in all but name.
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 def _is_number(value: Any) -> bool:

@@ -122,7 +122,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 def _error_status(reason: str) -> tuple[grpc.StatusCode, str]:
     if reason == "kv_load_failed":
-        return grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill engine failed"
+        # Not UNAVAILABLE: this engine is fine, the request's remote KV is what was lost.
+        return grpc.StatusCode.ABORTED, "KV transfer from the prefill engine failed (kv_load_failure_policy=fail)"
+    if reason.startswith("internal error"):
+        return grpc.StatusCode.INTERNAL, reason
     if reason == "engine core died":
         return grpc.StatusCode.UNAVAILABLE, "engine core died"
     return grpc.StatusCode.INVALID_ARGUMENT, reason

@@ -202,9 +202,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
         stage = self._stream_stage(live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout)
         first: engine_pb2.EngineGenerateResponse | None = None
-        async for response, message in self._relay(live, stage, detok, timings, first_stage=True, last_stage=not remote):
-            first = message
-            yield response
+        try:
+            async for response, message in self._relay(
+                live, stage, detok, timings, first_stage=True, last_stage=not remote
+            ):
+                first = message
+                yield response
+        except RouterError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE or first is not None:
+                raise
+            # Every prefill engine failed before answering: serve it colocated on decode.
+            logger.warning("%s: %s; falling back to decode alone", live.request_id, exc)
+            stage = self._stream_stage(live, "decode", tokens, sampling, priority, None, block_hashes, timeout)
+            async for response, _ in self._relay(live, stage, detok, timings, first_stage=True):
+                yield response
+            return
         if first is None or first.finish_reason != "length" or not remote:
             return  # stopped at the first token (EOS / stop token) or max_tokens == 1
         if live.aborted:
@@ -275,11 +287,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if live.aborted:
                     raise _Aborted() from None
                 code = exc.code()
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    # Refused: the id is another request's there, which our clean-up must not abort.
+                    live.engines.remove(engine)
                 if code == grpc.StatusCode.UNAVAILABLE:
                     engine.mark_down(exc.details() or "unreachable")
                     if not produced and len(tried) < 2:
                         logger.warning("%s: %s engine %s unreachable, retrying elsewhere", live.request_id, role, engine.address)
                         continue
+                if code == grpc.StatusCode.ABORTED:
+                    # The engine is fine but this request's remote KV was lost: retriable by the client.
+                    code = grpc.StatusCode.UNAVAILABLE
                 raise RouterError(code, f"{role} engine {engine.address}: {exc.details()}") from None
             finally:
                 engine.in_flight -= 1

@@ -251,12 +251,6 @@ def test_abort_ends_the_stream_while_the_engine_does_not_answer(ready, tokenizer
 # ---------------------------------------------------------------------- someone else's abort
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a stage refused with ALREADY_EXISTS still counts its engine as touched "
-    "(pdserve/router/service.py _stream_stage appends to live.engines before the call), so the "
-    "failed request's clean-up (_abort_on_engines) aborts the other router's running request",
-)
 def test_same_request_id_through_another_router_leaves_the_running_request_alone(ready, tokenizer):
     """Two routers share the decode engine; a client of the second reuses a request id that is
     running through the first. The newcomer may be refused, but the running request must not

@@ -104,13 +104,6 @@ def test_stalled_transfer_ends_at_decode_timeout_and_recomputes(ready, tiny_llm,
     wait_idle(env.engines)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: decode reports a failed KV load as UNAVAILABLE (pdserve/engine/server.py _error_status), "
-    "which the router takes for an unreachable engine (pdserve/router/service.py _stream_stage): it "
-    "marks the healthy decode engine down and retries elsewhere, so the client reads 'no healthy "
-    "decode engine'",
-)
 def test_stalled_transfer_with_fail_policy_ends_with_a_clear_error(ready, tokenizer):
     env = ready
     client = env.clients["stuck-fail"]

@@ -217,12 +217,6 @@ def test_prefill_restarted_on_same_address_redoes_the_handshake(ready, tiny_llm,
     wait_idle(env.engines)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: when the only prefill engine dies under a request, the router retries only within "
-    "the role (pdserve/router/service.py _stream_stage) and answers UNAVAILABLE 'no healthy prefill "
-    "engine', instead of the decode-only path it takes for the same prompt a second later",
-)
 def test_request_on_a_prefill_that_dies_is_served_by_decode(ready, tiny_llm, tokenizer):
     env = ready
     prompt = fresh_prompt(tokenizer)

@@ -1,0 +1,268 @@
+"""Statistics, tables and plots of ``pdserve bench serve`` (see ``pdserve.bench.serve``).
+
+A request's record and a (setup, rate) row are plain dicts with the keys below; the JSON file
+holds them as they are, so the README's numbers can be recomputed from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pdserve.bench.report import new_figure, print_table, save_figure
+
+if TYPE_CHECKING:
+    from pdserve.bench.serve import RequestSpec
+
+STAGES = ("queue", "prefill", "transfer", "decode")  # the P/D breakdown, in request order
+# Every JSON row has these keys (None where a value does not apply, e.g. transfer for colocated).
+ROW_KEYS = (
+    "setup", "rate", "num_requests", "completed", "failed", "duration_s",
+    "req_per_s", "out_tok_per_s", "goodput_frac", "goodput_req_per_s",
+    *(f"{m}_ms_{s}" for m in ("ttft", "itl", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99")),
+    *(f"{st}_ms_{s}" for st in STAGES for s in ("mean", "p50", "p99")),
+)  # fmt: skip
+REQUEST_KEYS = (
+    "setup", "rate", "index", "prompt_len", "output_len", "num_tokens", "error",
+    "ttft_ms", "e2e_ms", "tpot_ms", "itl_p90_ms", "itl_max_ms", "meets_slo",
+    *(f"{st}_ms" for st in STAGES),
+)  # fmt: skip
+
+
+@dataclass
+class RequestResult:
+    """What came back for one request: client times of its streamed messages, the router's metrics."""
+
+    spec: RequestSpec
+    sent: float = 0.0
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in message)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(k for _, k in self.token_times)
+
+    def ttft_ms(self) -> float | None:
+        return (self.token_times[0][0] - self.sent) * 1e3 if self.token_times else None
+
+    def e2e_ms(self) -> float | None:
+        return (self.token_times[-1][0] - self.sent) * 1e3 if self.token_times else None
+
+    def itls_ms(self) -> list[float]:
+        """One gap per token after the first: a message of k tokens gives k gaps of 1/k each."""
+        gaps = []
+        for (before, _), (now, k) in zip(self.token_times, self.token_times[1:], strict=False):
+            gaps += [(now - before) * 1e3 / k] * k
+        return gaps
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _stage_ms(result: RequestResult, setup: str) -> dict[str, float | None]:
+    """The router's breakdown of one request (transfer and decode only for P/D)."""
+    m = result.metrics
+    if not m:
+        return dict.fromkeys(STAGES)
+    stages: dict[str, float | None] = {"queue": m["queue_ms"], "prefill": m["prefill_ms"]}
+    if setup == "pd" and m.get("decode_ms"):
+        # The router's decode_ms runs from the prefill's end, so it holds the transfer too.
+        stages["transfer"] = m["transfer_ms"]
+        stages["decode"] = max(0.0, m["decode_ms"] - m["transfer_ms"])
+    else:
+        stages["transfer"] = stages["decode"] = None
+    return stages
+
+
+def request_record(setup: str, rate: float, result: RequestResult, slo: argparse.Namespace) -> dict[str, Any]:
+    ttft, e2e, itls = result.ttft_ms(), result.e2e_ms(), result.itls_ms()
+    n = result.num_tokens
+    ok = result.error is None and n > 0
+    itl_p90, itl_max = _pct(itls, 90), (max(itls) if itls else None)
+    itl_judged = (itl_max if slo.slo_itl_stat == "max" else itl_p90) or 0.0
+    meets = ok and ttft <= slo.slo_ttft_ms and itl_judged <= slo.slo_itl_ms
+    record = {
+        "setup": setup,
+        "rate": rate,
+        "index": result.spec.index,
+        "prompt_len": len(result.spec.prompt_token_ids),
+        "output_len": result.spec.output_len,
+        "num_tokens": n,
+        "error": result.error,
+        "ttft_ms": ttft,
+        "e2e_ms": e2e,
+        "tpot_ms": (e2e - ttft) / (n - 1) if ok and n > 1 else None,
+        "itl_p90_ms": itl_p90,
+        "itl_max_ms": itl_max,
+        "meets_slo": bool(meets),
+    }
+    record.update({f"{st}_ms": v for st, v in _stage_ms(result, setup).items()})
+    assert set(record) == set(REQUEST_KEYS), set(record) ^ set(REQUEST_KEYS)
+    return record
+
+
+def summarize(setup: str, rate: float, results: list[RequestResult], records: list[dict]) -> dict[str, Any]:
+    done = [r for r in results if r.error is None and r.num_tokens > 0]
+    ends = [r.token_times[-1][0] for r in done]
+    duration = (max(ends) - min(r.sent for r in results)) if done else 0.0
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: None)
+    good = sum(rec["meets_slo"] for rec in records)
+    row: dict[str, Any] = {
+        "setup": setup,
+        "rate": rate,
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "req_per_s": per_s(len(done)),
+        "out_tok_per_s": per_s(sum(r.num_tokens for r in done)),
+        "goodput_frac": good / len(results) if results else None,
+        "goodput_req_per_s": per_s(good),
+    }
+    samples = {
+        "ttft": [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None],
+        "itl": [gap for r in done for gap in r.itls_ms()],
+        "tpot": [rec["tpot_ms"] for rec in records if rec["tpot_ms"] is not None],
+        "e2e": [rec["e2e_ms"] for rec in records if rec["e2e_ms"] is not None],
+    }
+    for metric, values in samples.items():
+        row[f"{metric}_ms_mean"] = _mean(values)
+        for q in (50, 90, 99):
+            row[f"{metric}_ms_p{q}"] = _pct(values, q)
+    for stage in STAGES:
+        values = [rec[f"{stage}_ms"] for rec in records if rec[f"{stage}_ms"] is not None]
+        row[f"{stage}_ms_mean"] = _mean(values)
+        row[f"{stage}_ms_p50"] = _pct(values, 50)
+        row[f"{stage}_ms_p99"] = _pct(values, 99)
+    assert set(row) == set(ROW_KEYS), set(row) ^ set(ROW_KEYS)
+    return row
+
+
+# ---------------------------------------------------------------------- report
+
+
+def print_report(rows: list[dict], args: argparse.Namespace) -> None:
+    """Three tables: throughput and goodput; latency percentiles; the P/D breakdown."""
+    # Rich wraps a table to 80 columns when it is not writing to a terminal (a log, the README).
+    if not sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", "120")
+    slo = f"TTFT <= {args.slo_ttft_ms:g} ms and ITL {args.slo_itl_stat} <= {args.slo_itl_ms:g} ms"
+    throughput = {
+        "setup": "setup", "rate\nreq/s": "rate", "req/s": "req_per_s", "out\ntok/s": "out_tok_per_s",
+        "good\nreq/s": "goodput_req_per_s", "KV xfer\np50 ms": "transfer_ms_p50",
+        "KV xfer\np99 ms": "transfer_ms_p99",
+    }  # fmt: skip
+    table = []
+    for r in rows:
+        cells = {column: r[key] for column, key in throughput.items()}
+        cells["done"] = f"{r['completed']}/{r['num_requests']}"
+        cells["meet\nSLO"] = None if r["goodput_frac"] is None else f"{r['goodput_frac']:.0%}"
+        table.append(cells)
+    columns = ["setup", "rate\nreq/s", "done", "req/s", "out\ntok/s", "meet\nSLO", "good\nreq/s",
+               "KV xfer\np50 ms", "KV xfer\np99 ms"]  # fmt: skip
+    print_table(f"Throughput and goodput (SLO: {slo})", table, columns)
+
+    latency = {"setup": "setup", "rate\nreq/s": "rate"}
+    for metric, label in (("ttft", "TTFT"), ("itl", "ITL")):
+        latency.update({f"{label}\np{q}": f"{metric}_ms_p{q}" for q in (50, 90, 99)})
+    latency.update({"TPOT\np50": "tpot_ms_p50", "e2e\np50": "e2e_ms_p50", "e2e\np99": "e2e_ms_p99"})
+    table = [{column: r[key] for column, key in latency.items()} for r in rows]
+    print_table("Latency (ms, client clock)", table, list(latency))
+
+    pd_rows = [r for r in rows if r["setup"] == "pd"]
+    if pd_rows:
+
+        def cell(r: dict, stage: str) -> str:
+            parts = [r[f"{stage}_ms_{s}"] for s in ("mean", "p50", "p99")]
+            return " / ".join("-" if v is None else f"{v:.1f}" if v >= 1 else f"{v:.2f}" for v in parts)
+
+        breakdown = [{"rate\nreq/s": r["rate"], **{st: cell(r, st) for st in STAGES}} for r in pd_rows]
+        print_table(
+            "P/D: where a request's time goes (router clock, ms: mean / p50 / p99)",
+            breakdown,
+            ["rate\nreq/s", *STAGES],
+        )
+
+
+def _cdf(ax, values: list[float], label: str) -> None:
+    if not values:
+        return
+    xs = np.sort(values)
+    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
+
+
+def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[str], plot_dir: str,
+             args: argparse.Namespace) -> list[str]:  # fmt: skip
+    """Latency CDFs per rate (one line per setup), goodput vs rate, and the P/D breakdown."""
+    paths = []
+    for metric, label, slo in (("ttft", "TTFT (ms)", args.slo_ttft_ms), ("itl", "inter-token latency (ms)",
+                                                                         args.slo_itl_ms)):  # fmt: skip
+        fig, axes = new_figure(1, len(rates), figsize=(4.2 * len(rates), 3.6), squeeze=False)
+        for ax, rate in zip(axes[0], rates, strict=True):
+            for setup in setups:
+                _cdf(ax, samples.get((setup, rate, metric), []), setup)
+            ax.axvline(slo, color="grey", linestyle=":", label="SLO")
+            ax.set_xscale("log")
+            ax.set_title(f"{rate:g} req/s")
+            ax.set_xlabel(label)
+            ax.set_ylabel("fraction of " + ("requests" if metric == "ttft" else "tokens"))
+            ax.grid(alpha=0.3)
+            ax.legend()
+        path = os.path.join(plot_dir, f"serve_{metric}_cdf.png")
+        save_figure(fig, path)
+        paths.append(path)
+
+    fig, (ax_rate, ax_frac) = new_figure(1, 2, figsize=(9, 3.6))
+    for setup in setups:
+        mine = sorted(
+            (r for r in rows if r["setup"] == setup and np.isfinite(r["rate"])), key=lambda r: r["rate"]
+        )
+        xs = [r["rate"] for r in mine]
+        ax_rate.plot(xs, [r["goodput_req_per_s"] or 0.0 for r in mine], marker="o", label=setup)
+        ax_frac.plot(xs, [100 * (r["goodput_frac"] or 0.0) for r in mine], marker="o", label=setup)
+    finite = [r for r in rates if np.isfinite(r)]
+    if finite:
+        ax_rate.plot(finite, finite, color="grey", linestyle=":", label="offered")
+    ax_rate.set_ylabel("goodput (req/s meeting the SLO)")
+    ax_frac.set_ylabel("requests meeting the SLO (%)")
+    ax_frac.set_ylim(0, 105)
+    for ax in (ax_rate, ax_frac):
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SLO: TTFT <= {args.slo_ttft_ms:g} ms, ITL {args.slo_itl_stat} <= {args.slo_itl_ms:g} ms")
+    path = os.path.join(plot_dir, "serve_goodput.png")
+    save_figure(fig, path)
+    paths.append(path)
+
+    pd_rows = sorted((r for r in rows if r["setup"] == "pd"), key=lambda r: r["rate"])
+    if pd_rows:
+        fig, ax = new_figure(figsize=(1.6 * len(pd_rows) + 3, 3.6))
+        labels = [f"{r['rate']:g}" for r in pd_rows]
+        bottom = np.zeros(len(pd_rows))
+        for stage in STAGES:
+            heights = np.array([r[f"{stage}_ms_mean"] or 0.0 for r in pd_rows])
+            ax.bar(labels, heights, bottom=bottom, label=stage)
+            bottom += heights
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("mean time per request (ms)")
+        ax.set_title("P/D: router queue, prefill, transfer, decode")
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+        path = os.path.join(plot_dir, "serve_pd_breakdown.png")
+        save_figure(fig, path)
+        paths.append(path)
+    return paths

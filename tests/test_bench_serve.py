@@ -1,0 +1,154 @@
+"""``pdserve bench serve`` end to end on the tiny model: both setups run, every request is
+accounted for, the JSON has the documented keys, the plots are written and no process is left.
+
+Structure and sanity only (counts, signs, orderings); no timing thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from pdserve.bench import serve
+from pdserve.engine.model.tiny import write_tiny_model
+
+NUM_REQUESTS = 4
+OUTPUT_LEN = 4
+PLOTS = ("serve_ttft_cdf.png", "serve_itl_cdf.png", "serve_goodput.png", "serve_pd_breakdown.png")
+
+
+def _processes_mentioning(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One run of both setups on a model directory of its own (so its processes can be found)."""
+    root = tmp_path_factory.mktemp("bench-serve")
+    model = write_tiny_model(str(root / "model"), seed=0)
+    json_path = root / "serve.json"
+    plot_dir = root / "plots"
+    argv = [
+        "--model", model, "--setups", "colocated", "pd", "--rates", "4",
+        "--num-requests", str(NUM_REQUESTS), "--prompt-len", "24:80", "--output-len", str(OUTPUT_LEN),
+        "--shared-prefix-frac", "0.5", "--warmup", "1", "--seed", "3",
+        "--engine-args", "--num-blocks 128 --max-num-batched-tokens 512", "--max-model-len", "256",
+        "--json", str(json_path), "--plot-dir", str(plot_dir), "--no-progress",
+    ]  # fmt: skip
+    code = serve.main(argv)
+    with open(json_path) as f:
+        payload = json.load(f)
+    return code, payload, plot_dir, model
+
+
+def test_bench_serve_runs_both_setups_and_reports_every_request(bench_run):
+    code, payload, _, _ = bench_run
+    assert code == 0
+    rows = payload["rows"]
+    assert [r["setup"] for r in rows] == ["colocated", "pd"]
+    for row in rows:
+        assert set(row) == set(serve.ROW_KEYS)
+        assert row["rate"] == 4.0
+        assert row["num_requests"] == row["completed"] == NUM_REQUESTS
+        assert row["failed"] == 0
+        assert row["duration_s"] > 0 and row["req_per_s"] > 0 and row["out_tok_per_s"] > 0
+        assert 0.0 <= row["goodput_frac"] <= 1.0
+        assert row["goodput_req_per_s"] <= row["req_per_s"] + 1e-9
+        for metric in ("ttft", "itl", "tpot", "e2e"):
+            p50, p90, p99 = (row[f"{metric}_ms_p{q}"] for q in (50, 90, 99))
+            assert 0 < p50 <= p90 <= p99, (row["setup"], metric)
+            assert row[f"{metric}_ms_mean"] > 0
+        assert row["ttft_ms_p50"] <= row["e2e_ms_p50"]
+        assert row["queue_ms_mean"] >= 0 and row["prefill_ms_mean"] > 0
+    colocated, pd = rows
+    assert colocated["transfer_ms_mean"] is None and colocated["decode_ms_mean"] is None
+    for stage in serve.STAGES:
+        assert pd[f"{stage}_ms_mean"] is not None and pd[f"{stage}_ms_p50"] <= pd[f"{stage}_ms_p99"]
+    assert pd["transfer_ms_p50"] > 0 and pd["decode_ms_mean"] > 0
+
+
+def test_bench_serve_request_records_are_complete_and_consistent(bench_run):
+    _, payload, _, _ = bench_run
+    records = payload["requests"]
+    assert len(records) == 2 * NUM_REQUESTS
+    for rec in records:
+        assert set(rec) == set(serve.REQUEST_KEYS)
+        assert rec["error"] is None
+        assert rec["num_tokens"] == rec["output_len"] == OUTPUT_LEN
+        assert 24 <= rec["prompt_len"] <= 80
+        assert 0 < rec["ttft_ms"] <= rec["e2e_ms"]
+        assert rec["tpot_ms"] > 0 and 0 < rec["itl_p90_ms"] <= rec["itl_max_ms"]
+        assert isinstance(rec["meets_slo"], bool)
+        if rec["setup"] == "pd":
+            assert rec["transfer_ms"] > 0
+    # Both setups saw the same workload.
+    by_setup = {s: [r["prompt_len"] for r in records if r["setup"] == s] for s in ("colocated", "pd")}
+    assert by_setup["colocated"] == by_setup["pd"]
+    goodput = sum(r["meets_slo"] for r in records if r["setup"] == "pd") / NUM_REQUESTS
+    assert math.isclose(goodput, payload["rows"][1]["goodput_frac"])
+
+
+def test_bench_serve_writes_plots_and_leaves_no_process(bench_run):
+    _, payload, plot_dir, model = bench_run
+    for name in PLOTS:
+        with open(plot_dir / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    assert payload["config"]["cpus"] and payload["config"]["setups"] == ["colocated", "pd"]
+    assert _processes_mentioning(model) == []
+
+
+def test_workload_is_seeded_shares_its_prefix_and_differs_per_rate():
+    def workload(seed: int) -> serve.Workload:
+        return serve.Workload(
+            prompt_len=(40, 60),
+            output_len=(2, 9),
+            dataset=None,
+            shared_prefix_frac=0.5,
+            seed=seed,
+            token_range=(100, 1000),
+        )
+
+    first, again = workload(1).draw(20, 2.0, stream=1), workload(1).draw(20, 2.0, stream=1)
+    assert first == again
+    assert first != workload(2).draw(20, 2.0, stream=1)
+    other_rate = workload(1).draw(20, 2.0, stream=2)
+    assert all(
+        a.prompt_token_ids[20:] != b.prompt_token_ids[20:] for a, b in zip(first, other_rate, strict=True)
+    )
+    arrivals = [s.arrival_s for s in first]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
+    for spec in first:
+        assert 40 <= len(spec.prompt_token_ids) <= 60 and 2 <= spec.output_len <= 9
+        assert all(100 <= t < 1000 for t in spec.prompt_token_ids)
+    assert len({tuple(s.prompt_token_ids[:20]) for s in first}) == 1  # 0.5 * 40 tokens at least
+    assert all(s.arrival_s == 0.0 for s in workload(1).draw(5, math.inf, stream=1))
+
+
+def test_lengths_and_dataset_parsing(tmp_path):
+    assert serve.parse_length("512") == (512, 512)
+    assert serve.parse_length("128:1024") == (128, 1024)
+    for bad in ("0", "10:5", "x"):
+        with pytest.raises(ValueError):
+            serve.parse_length(bad)
+    path = tmp_path / "lengths.jsonl"
+    path.write_text('{"prompt_len": 100, "output_len": 7}\n\n{"prompt_len": 30, "output_len": 2}\n')
+    assert serve.load_dataset(str(path)) == [(100, 7), (30, 2)]
+    spec = serve.Workload((1, 1), (1, 1), serve.load_dataset(str(path)), 0.0, 0, (5, 50)).draw(
+        6, 1.0, stream=1
+    )
+    assert {(len(s.prompt_token_ids), s.output_len) for s in spec} <= {(100, 7), (30, 2)}
+    path.write_text('{"prompt_len": 100}\n')
+    with pytest.raises(ValueError, match="lengths.jsonl:1"):
+        serve.load_dataset(str(path))
