@@ -39,9 +39,10 @@ def _gather_context(
     kv_cache_layer: torch.Tensor, block_table: torch.Tensor, num_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first ``num_blocks`` blocks: [num_blocks*block_size, H, D] each."""
-    blocks = kv_cache_layer[block_table[:num_blocks].long()]  # [n, 2, bs, H, D]
-    keys = blocks[:, 0].reshape(-1, blocks.shape[-2], blocks.shape[-1])
-    values = blocks[:, 1].reshape(-1, blocks.shape[-2], blocks.shape[-1])
+    idx = block_table[:num_blocks].long()
+    # Index the K (then V) view directly: one gather each, already contiguous, no re-copy.
+    keys = kv_cache_layer[:, 0][idx].flatten(0, 1)
+    values = kv_cache_layer[:, 1][idx].flatten(0, 1)
     return keys, values
 
 
@@ -61,15 +62,16 @@ def paged_attention_decode_ref(
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     max_len = int(seq_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    blocks = kv_cache_layer[block_tables[:, :max_blocks].long()]  # [S, nb, 2, bs, Hkv, D]
-    keys = blocks[:, :, 0].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    values = blocks[:, :, 1].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    idx = block_tables[:, :max_blocks].long()
+    # One gather per K and V straight from the layer view: contiguous, reshaped for free.
+    keys = kv_cache_layer[:, 0][idx].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    values = kv_cache_layer[:, 1][idx].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
     positions = torch.arange(max_blocks * block_size, device=query.device)
     mask = positions[None, :] < seq_lens[:, None].to(positions.dtype)  # [S, L]
     group = num_heads // num_kv_heads
     q = query.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
-    k = keys.permute(0, 2, 1, 3)  # [S, Hkv, L, D]
-    v = values.permute(0, 2, 1, 3)
+    k = keys.transpose(1, 2)  # [S, Hkv, L, D]
+    v = values.transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None, None, :], scale=scale
     )  # [S, Hkv, group, D]
