@@ -159,6 +159,7 @@ class PDConnector(KVConnectorBase):
             spec=self.spec,
             host=self.config.host,
             advertise_host=self.config.advertise_host,
+            token=self.config.cluster_token,
             transfer_timeout_s=self.config.transfer_timeout_s,
             **_transport_options(self.config),
         )

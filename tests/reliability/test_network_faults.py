@@ -171,11 +171,6 @@ def _data_port(prefill: Proc, token: str, fingerprint: dict) -> tuple[str, int]:
     return metadata["host"], metadata["port"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the tcp transport's data port serves any block to any peer, cluster token or not "
-    "(pdserve/connector/transports/tcp.py _TcpServer._serve): only the side channel is authenticated",
-)
 def test_kv_data_port_refuses_a_reader_without_the_cluster_token(cluster, shared, tiny_llm):
     host, port = _data_port(shared.prefill, cluster.token, tiny_llm.engine.kv_cache_spec.fingerprint())
     with socket.create_connection((host, port), timeout=5) as sock:

@@ -115,4 +115,5 @@ def create_transport(name: str, kv_cache: Any, **kwargs: Any) -> KVTransport:
     if cls.name != "tcp":
         kwargs.pop("host", None)
         kwargs.pop("advertise_host", None)
+        kwargs.pop("token", None)
     return cls(kv_cache, **kwargs)

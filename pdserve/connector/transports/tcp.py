@@ -6,6 +6,14 @@ Wire protocol (one persistent connection per reader -> server pair, reads one af
     server -> reader   frame {"tid": str, "ok": bool, "error": str | None, "nbytes": int}
                        then, if ok, the blocks' bytes in run order (nbytes of them)
 
+With a cluster token, each new connection first proves it knows the token (challenge-response,
+HMAC-SHA256) before any block is served::
+
+    reader -> server   frame {"hello": true}
+    server -> reader   frame {"ok": true, "challenge": hex}
+    reader -> server   frame {"mac": HMAC(token, challenge)}
+    server -> reader   frame {"ok": true}        (or {"ok": false, "error": ...} and close)
+
 A frame is a 4-byte big-endian length and a msgpack map (never pickle). The server streams
 straight out of its cache tensor (``sendmsg`` over memoryviews) and the reader ``recv_into``s
 straight into its destination blocks: no staging copy on either side.
@@ -20,8 +28,11 @@ down with it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import math
+import os
 import socket
 import struct
 import threading
@@ -40,6 +51,7 @@ _LEN = struct.Struct(">I")
 _MAX_FRAME = 16 << 20  # a read of ~1M separate runs; anything bigger is a broken peer
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 DEFAULT_SOCKET_BUFFER = 4 << 20
+AUTH_TIMEOUT_S = 10.0  # a connecting reader must finish the token handshake within this
 
 
 @dataclass(frozen=True)
@@ -78,9 +90,11 @@ class TcpTransport(KVTransport):
         connect_timeout_s: float = 5.0,
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER,
         fault: TcpFault | None = None,
+        token: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(kv_cache, **kwargs)
+        self._token = token or None  # the cluster token: readers must prove they know it
         self._view = kv_bytes(kv_cache)
         self._connect_timeout_s = connect_timeout_s
         self._socket_buffer_bytes = socket_buffer_bytes
@@ -227,6 +241,12 @@ class _TcpChannel:
             raise TimeoutError
         sock = socket.create_connection(self._address, timeout=timeout)
         self._owner._tune(sock)
+        if self._owner._token:
+            try:
+                _authenticate(sock, self._owner._token, job.deadline)
+            except BaseException:
+                sock.close()
+                raise
         with self._cond:
             if self._closing:
                 sock.close()
@@ -294,6 +314,9 @@ class _TcpServer:
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         owner = self._owner
         try:
+            if owner._token and not _check_reader(conn, owner._token):
+                logger.warning("tcp: refused a reader from %s without the cluster token", peer)
+                return
             while not self._stop.is_set():
                 conn.settimeout(None)  # idle between reads: wait as long as the reader likes
                 request = _recv_frame(conn, None)
@@ -355,6 +378,43 @@ class _TcpServer:
 
 
 # ---------------------------------------------------------------------- socket helpers
+
+
+def _mac(token: str, challenge: str) -> str:
+    return hmac.new(token.encode(), challenge.encode(), hashlib.sha256).hexdigest()
+
+
+def _authenticate(sock: socket.socket, token: str, deadline: float) -> None:
+    """Reader side of the challenge-response; ConnectionError if the server refuses."""
+    _send_buffers(sock, [_frame({"hello": True})], deadline)
+    reply = _recv_frame(sock, deadline)
+    if not reply or not reply.get("ok") or not isinstance(reply.get("challenge"), str):
+        raise ConnectionError(f"server refused the handshake: {(reply or {}).get('error', 'connection closed')}")
+    _send_buffers(sock, [_frame({"mac": _mac(token, reply["challenge"])})], deadline)
+    reply = _recv_frame(sock, deadline)
+    if not reply or not reply.get("ok"):
+        raise ConnectionError(f"authentication failed: {(reply or {}).get('error', 'connection closed')}")
+
+
+def _check_reader(conn: socket.socket, token: str) -> bool:
+    """Server side: True once the reader has proved it knows the token (else it is told why)."""
+    deadline = time.perf_counter() + AUTH_TIMEOUT_S
+    hello = _recv_frame(conn, deadline)
+    if hello is None:
+        return False
+    if hello.get("hello") is not True:
+        refusal = {"tid": hello.get("tid"), "ok": False, "error": "authentication required", "nbytes": 0}
+        _send_buffers(conn, [_frame(refusal)], deadline)
+        return False
+    challenge = os.urandom(16).hex()
+    _send_buffers(conn, [_frame({"ok": True, "challenge": challenge})], deadline)
+    answer = _recv_frame(conn, deadline)
+    mac = answer.get("mac") if answer else None
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(token, challenge)):
+        _send_buffers(conn, [_frame({"ok": False, "error": "authentication failed"})], deadline)
+        return False
+    _send_buffers(conn, [_frame({"ok": True})], deadline)
+    return True
 
 
 def _wire_runs(runs: list[BlockRun]) -> list[list[int]]:
