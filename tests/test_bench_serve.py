@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 
 import pytest
 
@@ -107,6 +108,30 @@ def test_bench_serve_writes_plots_and_leaves_no_process(bench_run):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     assert payload["config"]["cpus"] and payload["config"]["setups"] == ["colocated", "pd"]
     assert _processes_mentioning(model) == []
+
+
+def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, monkeypatch, tiny_model_dir):
+    from pdserve import cluster
+
+    with socket.socket() as taken:
+        taken.bind((serve.HOST, 0))
+        taken.listen()
+        picks = iter([[taken.getsockname()[1]], cluster.pick_free_ports(serve.HOST, 1)])
+        monkeypatch.setattr(cluster, "pick_free_ports", lambda host, count: next(picks))
+        messages: list[str] = []
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+        def argv(port: int) -> list[str]:
+            return ["serve", "--host", serve.HOST, "--port", str(port), "--model", tiny_model_dir,
+                    "--max-model-len", "256", "--num-blocks", "64"]  # fmt: skip
+
+        with serve.SetupProcesses(str(tmp_path), env, messages.append) as procs:
+            (engine,) = procs.start([("engine", argv, None)])
+            assert engine.address != f"{serve.HOST}:{taken.getsockname()[1]}"
+            assert cluster.check_health(engine.address)
+            assert procs.children == [engine]
+        assert engine.popen.poll() is not None
+    assert any("port taken" in m for m in messages)
 
 
 def test_workload_is_seeded_shares_its_prefix_and_differs_per_rate():

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,6 +62,7 @@ from pdserve.bench.serve_report import (
 __all__ = ["REQUEST_KEYS", "ROW_KEYS", "STAGES", "main"]
 
 SETUPS = ("colocated", "pd")
+HOST = "127.0.0.1"  # every process binds loopback
 STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0  # a request still streaming after this counts as failed (DEADLINE_EXCEEDED)
 IDLE_TIMEOUT_S = 60.0
@@ -225,17 +227,26 @@ class SetupProcesses:
         )
         return child
 
-    def wait_healthy(self, children: list[Child], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        from pdserve.cluster import check_health
+    def wait_healthy(self, children: list[Child], timeout_s: float = STARTUP_TIMEOUT_S) -> list[Child]:
+        """Poll until every child is SERVING; returns (and forgets) those that lost their port."""
+        from pdserve.cluster import _BIND_FAILURE_MARKERS, check_health
 
         pending = list(children)
+        lost_port: list[Child] = []
         deadline = time.monotonic() + timeout_s
         while pending:
             for child in list(pending):
                 if child.popen.poll() is not None:
+                    tail = child.log_tail()
+                    if any(marker in tail.lower() for marker in _BIND_FAILURE_MARKERS):
+                        pending.remove(child)
+                        lost_port.append(child)
+                        self.children.remove(child)
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(child.popen.pid, signal.SIGKILL)  # its engine core, if started
+                        continue
                     raise RuntimeError(
-                        f"{child.name} exited with code {child.popen.returncode} during start-up:\n"
-                        f"{child.log_tail()}"
+                        f"{child.name} exited with code {child.popen.returncode} during start-up:\n{tail}"
                     )
                 if check_health(child.address, timeout_s=0.5):
                     pending.remove(child)
@@ -243,6 +254,32 @@ class SetupProcesses:
                 raise RuntimeError(f"{', '.join(c.name for c in pending)} not healthy after {timeout_s:.0f}s")
             if pending:
                 time.sleep(0.2)
+        return lost_port
+
+    def start(self, members: list[tuple[str, Callable[[int], list[str]], set[int] | None]]) -> list[Child]:
+        """Start ``(name, argv for a port, cpus)`` members on free ports and wait until they serve.
+
+        A port picked free can be taken by another process before the child binds it: a child
+        that fails on that is started again on a new port.
+        """
+        from pdserve.cluster import MAX_BIND_ATTEMPTS, pick_free_ports
+
+        started: dict[str, Child] = {}
+        todo, attempt = list(members), 1
+        while True:
+            ports = pick_free_ports(HOST, len(todo))
+            children = [
+                self.spawn(name, build(port), f"{HOST}:{port}", cpus)
+                for (name, build, cpus), port in zip(todo, ports, strict=True)
+            ]
+            lost = {c.name for c in self.wait_healthy(children)}
+            started.update({c.name: c for c in children if c.name not in lost})
+            if not lost:
+                return [started[name] for name, _, _ in members]
+            if attempt == MAX_BIND_ATTEMPTS:
+                raise RuntimeError(f"{', '.join(sorted(lost))}: port taken {attempt} times in a row")
+            self.say(f"{', '.join(sorted(lost))}: port taken by another process, retrying on a new one")
+            todo, attempt = [m for m in todo if m[0] in lost], attempt + 1
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -270,32 +307,35 @@ class SetupProcesses:
         self.children.clear()
 
 
-def start_setup(setup: str, procs: SetupProcesses, args: argparse.Namespace, cpus: list[int]) -> str:
-    """Start the engines of ``setup`` pinned one per core, then its router; the router's address."""
-    from pdserve.cluster import pick_free_ports
-
-    host = "127.0.0.1"
-    ports = pick_free_ports(host, 3)
+def start_setup(setup: str, procs: SetupProcesses, args: argparse.Namespace, cpus: list[int]) -> list[Child]:
+    """Start the engines of ``setup`` pinned one per core, then its router: [engine, engine, router]."""
     model = ["--model", args.model] if args.model else []
     engine_args = ["--max-model-len", str(args.max_model_len), *shlex.split(args.engine_args)]
     roles = ["serve", "serve"] if setup == "colocated" else ["prefill", "decode"]
-    engines = []
-    for i, (role, port) in enumerate(zip(roles, ports[:2], strict=True)):
-        argv = [role, "--host", host, "--port", str(port), *model, *engine_args]
-        if role != "serve":
-            argv += ["--kv-transport", args.kv_transport, "--engine-id", f"bench-{role}-{port}"]
-        cpu = {cpus[i % len(cpus)]}
-        engines.append(procs.spawn(f"{setup}-{role}-{i}", argv, f"{host}:{port}", cpu))
-    procs.wait_healthy(engines)
+
+    def engine_argv(role: str) -> Callable[[int], list[str]]:
+        def build(port: int) -> list[str]:
+            argv = [role, "--host", HOST, "--port", str(port), *model, *engine_args]
+            if role != "serve":
+                argv += ["--kv-transport", args.kv_transport, "--engine-id", f"bench-{role}-{port}"]
+            return argv
+
+        return build
+
+    engines = procs.start(
+        [(f"{setup}-{role}-{i}", engine_argv(role), {cpus[i % len(cpus)]}) for i, role in enumerate(roles)]
+    )
     addresses = [e.address for e in engines]
-    router = ["router", "--host", host, "--port", str(ports[2]), *model, "--policy", "round_robin"]
     if setup == "colocated":
-        router += ["--decode", ",".join(addresses)]
+        upstream = ["--decode", ",".join(addresses)]
     else:
-        router += ["--prefill", addresses[0], "--decode", addresses[1], "--disagg-min-tokens", "0"]
-    child = procs.spawn(f"{setup}-router", router, f"{host}:{ports[2]}", None)
-    procs.wait_healthy([child])
-    return child.address
+        upstream = ["--prefill", addresses[0], "--decode", addresses[1], "--disagg-min-tokens", "0"]
+
+    def router_argv(port: int) -> list[str]:
+        return ["router", "--host", HOST, "--port", str(port), *model, "--policy", "round_robin", *upstream]
+
+    (router,) = procs.start([(f"{setup}-router", router_argv, None)])
+    return [*engines, router]
 
 
 # ---------------------------------------------------------------------- client
@@ -397,8 +437,9 @@ def run_setup(
 
     run = SetupRun()
     say(f"{setup}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
-    router = start_setup(setup, procs, args, cpus)
-    info = engine_info(procs.children[0].address)
+    first_engine, _, router_child = start_setup(setup, procs, args, cpus)
+    router = router_child.address
+    info = engine_info(first_engine.address)
     workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
     run.kv_transport = info.kv_transport or None
     wait_router_ready(router, num_engines=2)
