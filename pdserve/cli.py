@@ -72,10 +72,15 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+BENCHMARKS = ("engine", "transfer", "kernels", "serve")
+
+
+def _bench(what: str, rest: list[str]) -> int:
+    """Each benchmark owns its arguments (and its --help)."""
     import importlib
 
-    module = importlib.import_module(f"pdserve.bench.{args.what}")
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(f"pdserve.bench.{what}")
     return int(module.main(rest) or 0)
 
 
@@ -125,19 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     local.set_defaults(func=cluster.main)
 
     bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels, serve)")
-    bench.add_argument("what", choices=["engine", "transfer", "kernels", "serve"])
-    bench.set_defaults(func=_bench)
+    bench.add_argument("what", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see its --help)")
+    bench.set_defaults(func=lambda args: _bench(args.what, args.args))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        return _bench(argv[1], argv[2:])
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "bench":
-        return _bench(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.func(args) or 0)
 
 
