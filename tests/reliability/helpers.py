@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cluster import check_health, pick_free_ports
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from tests.text_corpus import long_text
 
@@ -64,28 +63,12 @@ _PDEATHSIG_SHIM = (
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    return pick_free_ports(HOST, count)
 
 
 def serving(address: str, timeout_s: float = 0.5) -> bool:
     """True when the gRPC health service at ``address`` answers SERVING."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return check_health(address, timeout_s)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
