@@ -69,11 +69,6 @@ class LeaseTable:
             done, self._done = self._done | set(expired), set()
             return done
 
-    def block_ids(self, req_id: str) -> list[int] | None:
-        with self._lock:
-            lease = self._leases.get(req_id)
-            return list(lease.block_ids) if lease else None
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)

@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,17 +77,6 @@ class LoadJob:
 
 
 @dataclass
-class TransferRecord:
-    """A finished load, for metrics and the transfer benchmark."""
-
-    req_id: str
-    ok: bool
-    num_blocks: int
-    seconds: float
-    error: str | None = None
-
-
-@dataclass
 class _Peer:
     client: SideChannelClient
     instance_id: str
@@ -123,7 +111,6 @@ class TransferWorker:
         self._invalid: set[int] = set()
         self._last_error = ""
         self._counters = {"num_loads_ok": 0, "num_loads_failed": 0, "num_blocks_pulled": 0, "transfer_seconds": 0.0}
-        self.records: deque[TransferRecord] = deque(maxlen=4096)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._in_flight: dict[str, LoadJob] = {}  # {req_id: job}, owned by the thread
         self._stop = threading.Event()
@@ -271,7 +258,6 @@ class TransferWorker:
             logger.debug("%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3)
         else:
             logger.warning("%s: KV pull from %s failed: %s", job.req_id, job.remote.engine_id, error)
-        self.records.append(TransferRecord(job.req_id, ok, len(job.local_block_ids), seconds, error))
         with self._lock:
             self._done.add(job.req_id)
             if ok:

@@ -131,15 +131,7 @@ class EngineCore:
         ]
 
     def stats(self) -> SchedulerStats:
-        scheduler = self.scheduler
-        stats = scheduler.make_stats() if scheduler.log_stats else None
-        if stats is None:
-            stats = SchedulerStats(
-                num_running_reqs=len(scheduler.running),
-                num_waiting_reqs=len(scheduler.waiting),
-                num_held_blocks=scheduler.num_held_blocks,
-                kv_cache_usage=scheduler.kv_cache_manager.usage,
-            )
+        stats = self.scheduler.snapshot()
         if self.connector is not None:
             stats.kv_connector = self.connector.stats()
         return stats

@@ -72,8 +72,6 @@ class ModelRunnerOutput:
     invalid_block_ids: set[int] | None = None
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-
 
 @dataclass
 class EngineCoreOutput:

@@ -442,8 +442,10 @@ class Scheduler(SchedulerInterface):
         return sum(self.kv_cache_manager.num_blocks_of(req_id) for req_id in self.held_req_ids)
 
     def make_stats(self) -> SchedulerStats | None:
-        if not self.log_stats:
-            return None
+        return self.snapshot() if self.log_stats else None
+
+    def snapshot(self) -> SchedulerStats:
+        """Current counts, whether or not per-step stats are on (the Stats RPC needs them)."""
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),

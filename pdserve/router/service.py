@@ -112,8 +112,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             infos[0].block_size,
         )
 
-    def _validate(self, request: router_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        vocab_size, max_model_len, _ = self._limits()
+    def _validate(
+        self, request: router_pb2.GenerateRequest, vocab_size: int, max_model_len: int
+    ) -> tuple[list[int], SamplingParams]:
         if request.prompt and request.prompt_token_ids:
             raise ValueError("give either prompt or prompt_token_ids, not both")
         if len(request.prompt.encode()) > MAX_PROMPT_BYTES:
@@ -135,7 +136,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            tokens, sampling = self._validate(request)
+            vocab_size, max_model_len, block_size = self._limits()
+            tokens, sampling = self._validate(request, vocab_size, max_model_len)
         except ValueError as exc:
             self.metrics.rejected.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -153,7 +155,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.live[request_id] = live
         finished = False
         try:
-            async for response in self._run(live, tokens, sampling, request.priority, context):
+            async for response in self._run(live, tokens, sampling, request.priority, block_size, context):
                 finished = bool(response.finish_reason)
                 yield response
         except _Aborted:
@@ -176,9 +178,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tokens: list[int],
         sampling: SamplingParams,
         priority: int,
+        block_size: int,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        _, _, block_size = self._limits()
         block_hashes = hash_request_blocks(tokens, block_size, [])
         timings: dict = {"queue_ms": (time.perf_counter() - live.arrival) * 1e3, "num_prompt_tokens": len(tokens)}
         detok = IncrementalDetokenizer(self.tokenizer)

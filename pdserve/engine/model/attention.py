@@ -25,10 +25,6 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets from num_decode_tokens
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context length incl. the chunk
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return int(self.prefill_query_start_loc[-1]) if self.prefill_query_start_loc.numel() else 0
-
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
