@@ -5,7 +5,8 @@
     for delta in client.stream(prompt="Hello", request_id="my-id"):
         print(delta.text, end="", flush=True)
 
-Errors are ``grpc.RpcError`` with the router's status code (INVALID_ARGUMENT for bad input,
+Bad sampling values raise ValueError before anything is sent. Errors from the server are
+``grpc.RpcError`` with the router's status code (INVALID_ARGUMENT for bad input,
 UNAVAILABLE when no engine can serve, RESOURCE_EXHAUSTED when the router is full).
 """
 
@@ -19,7 +20,9 @@ from typing import Any
 import grpc
 
 from pdserve.engine.outputs import Completion
+from pdserve.engine.request import SamplingParams
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.wire import sampling_to_proto
 
 
 @dataclass
@@ -56,25 +59,37 @@ class Client:
         timeout: float | None = None,
         chat: bool = False,
         priority: int = 0,
+        stop: Sequence[str] = (),
+        messages: Sequence[dict[str, str]] = (),
+        **sampling: Any,
     ) -> Iterator[Delta]:
-        """Yield deltas as tokens arrive; closing the iterator early cancels the request."""
-        sampling = common_pb2.SamplingParams(
+        """Yield deltas as tokens arrive; closing the iterator early cancels the request.
+
+        ``sampling`` takes the other SamplingParams fields (presence_penalty, frequency_penalty,
+        repetition_penalty, min_p, min_tokens). Values are validated here, before anything is
+        sent: a bad one (max_tokens=0, temperature=-1, ...) raises ValueError naming the field.
+        """
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            stop_token_ids=list(stop_token_ids),
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos,
+            **sampling,
         )
-        if seed is not None:
-            sampling.seed = seed
+        if isinstance(stop, str):
+            stop = [stop]
         request = router_pb2.GenerateRequest(
             request_id=request_id or f"cli-{uuid.uuid4().hex}",
             prompt=prompt or "",
             prompt_token_ids=list(prompt_token_ids or ()),
-            sampling=sampling,
+            sampling=sampling_to_proto(params),
             priority=priority,
             apply_chat_template=chat,
+            messages=[router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+            stop=list(stop),
         )
         call = self.stub.Generate(request, timeout=timeout)
         try:

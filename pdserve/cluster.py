@@ -145,6 +145,7 @@ class LocalCluster:
         *,
         host: str = "127.0.0.1",
         router_port: int | None = None,
+        http_port: int | None = None,
         base_port: int | None = None,
         kv_transport: str = "auto",
         policy: str | None = None,
@@ -164,6 +165,8 @@ class LocalCluster:
         self.model = model
         self.host = host
         self.router_port = router_port
+        # The router's OpenAI-compatible HTTP port (None: no HTTP front; 0: a free one).
+        self.http_port = pick_free_ports(host, 1)[0] if http_port == 0 else http_port
         self.base_port = base_port
         self.kv_transport = kv_transport
         self.policy = policy
@@ -187,6 +190,13 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return self.procs["router"].address
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (``http://HOST:PORT/v1``)."""
+        if self.http_port is None:
+            raise ValueError("this cluster was started without an HTTP port")
+        return f"http://{self.host}:{self.http_port}/v1"
 
     @property
     def prefill_addresses(self) -> list[str]:
@@ -290,6 +300,8 @@ class LocalCluster:
                 argv += ["--policy", self.policy]
             if self.model:
                 argv += ["--model", self.model]
+            if self.http_port is not None:
+                argv += ["--http-port", str(self.http_port)]
             return argv + self.router_args
         argv += ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port)]
         argv += ["--kv-transport", self.kv_transport]
@@ -424,6 +436,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     parser.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
     parser.add_argument(
+        "--http-port", type=int, default=None, help="router's OpenAI-compatible HTTP port (http://HOST:PORT/v1)"
+    )
+    parser.add_argument(
         "--base-port",
         type=int,
         default=None,
@@ -456,6 +471,7 @@ def main(args: argparse.Namespace) -> int:
             model=args.model,
             host=args.host,
             router_port=args.port,
+            http_port=args.http_port,
             base_port=args.base_port,
             kv_transport=args.kv_transport,
             policy=args.policy,
@@ -483,6 +499,8 @@ def main(args: argparse.Namespace) -> int:
         cluster.start()
         print(cluster.table(), flush=True)
         print(f"pdserve cluster ready: router on {cluster.router_address} (Ctrl-C to stop)", flush=True)
+        if cluster.http_port is not None:
+            print(f"OpenAI-compatible API on {cluster.http_url}", flush=True)
         cluster.monitor()
         say("stopping")
     except ClusterStopped:

@@ -3,8 +3,9 @@
 For each prompt it streams the text as it arrives, then shows which path the router took
 (prefill engine -> KV transfer -> decode engine, or decode alone when the uncached part of the
 prompt is short), the time to first token and the transfer time (prefill's answer -> decode's
-first token). It ends with every engine's KV accounting (nothing left in use) and stops the
-cluster.
+first token). Then one chat request goes through the router's OpenAI-compatible HTTP API with
+the official ``openai`` SDK, streamed. It ends with every engine's KV accounting (nothing left
+in use) and stops the cluster.
 
     python -m pdserve.demo [--model PATH] [--kv-transport auto|tcp|ucx|nixl]
 """
@@ -75,6 +76,33 @@ def run_prompts(client: Client) -> None:
         )
 
 
+def run_openai_sdk(base_url: str) -> None:
+    """One streamed chat completion through the HTTP front door, as any OpenAI app would send it."""
+    from openai import OpenAI
+
+    print(f"\n[OpenAI SDK] POST {base_url}/chat/completions (stream)", flush=True)
+    sdk = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    model = sdk.models.list().data[0].id
+    print(f"  model {model!r}\n  -> ", end="", flush=True)
+    stream = sdk.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Name three rivers of Europe."},
+        ],
+        max_tokens=40,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content.replace("\n", "\n     "), end="", flush=True)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    print(f"\n  usage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens", flush=True)
+
+
 def print_kv_accounting(client: Client, timeout_s: float = 10.0) -> None:
     """Every engine's KV use once idle: a finished request leaves nothing referenced or held."""
     deadline = time.monotonic() + timeout_s
@@ -110,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             1,
             model=args.model,
             kv_transport=args.kv_transport,
+            http_port=0,
             progress=lambda message: print(f"  [cluster] {message}", flush=True),
         ) as cluster:
             print(f"Cluster up in {time.perf_counter() - started:.0f}s:\n{cluster.table()}", flush=True)
             with Client(cluster.router_address) as client:
                 run_prompts(client)
+                run_openai_sdk(cluster.http_url)
                 print_kv_accounting(client)
             print("\nStopping the cluster ...", flush=True)
     except ClusterError as exc:

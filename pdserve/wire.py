@@ -26,29 +26,44 @@ _KV_FIELDS = (
 )
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+# Optional proto fields and the SamplingParams default each takes when unset.
+_OPTIONAL_SAMPLING_FIELDS = {
+    "max_tokens": DEFAULT_MAX_TOKENS,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "seed": None,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, num_prior_output_tokens: int = 0) -> SamplingParams:
+    """An unset field takes its default; a set one is taken as given (0 stays 0 and is refused
+    by validation where it is out of range)."""
+    values: dict[str, Any] = {
+        name: (getattr(msg, name) if msg.HasField(name) else default)
+        for name, default in _OPTIONAL_SAMPLING_FIELDS.items()
+    }
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        values[name] = float(values[name])
     return SamplingParams(
-        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
-        temperature=float(msg.temperature),
-        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
-        top_k=int(msg.top_k) if msg.HasField("top_k") else -1,
-        seed=int(msg.seed) if msg.HasField("seed") else None,
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         ignore_eos=bool(msg.ignore_eos),
+        num_prior_output_tokens=num_prior_output_tokens,
+        **values,
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
+    msg = common_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    for name in _OPTIONAL_SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
     return msg
 
 

@@ -49,7 +49,7 @@ PROMETHEUS_FILE = DEPLOY / "prometheus.yml"
 VARIABLES = {"PDSERVE_CLUSTER_TOKEN": secrets.token_hex(16)}
 
 LOOPBACK = "127.0.0.1"
-PORT_FLAGS = ("--port", "--metrics-port", "--kv-port")
+PORT_FLAGS = ("--port", "--metrics-port", "--kv-port", "--http-port")
 # Each wave of services (engines, then the router) gets this long to become healthy.
 STARTUP_TIMEOUT_S = 240.0
 HEALTH_POLL_S = 3.0

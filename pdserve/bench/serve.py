@@ -53,7 +53,9 @@ from pdserve.bench.serve_report import (
     ROW_KEYS,
     STAGES,
     RequestResult,
+    front_overhead,
     plot_all,
+    print_front_overhead,
     print_report,
     request_record,
     summarize,
@@ -146,8 +148,12 @@ class Workload:
             return max(p + o for p, o in self.dataset)
         return self.prompt_len[1] + self.output_len[1]
 
-    def draw(self, num_requests: int, rate: float, stream: int) -> list[RequestSpec]:
-        """Requests of rate-stream ``stream`` (a different stream gives different prompts)."""
+    def draw(self, num_requests: int, rate: float, stream: int, variant: int = 0) -> list[RequestSpec]:
+        """Requests of rate-stream ``stream`` (a different stream gives different prompts).
+
+        ``variant`` keeps the lengths and arrival times but draws other token ids: the same load
+        again without hitting the prefix cache the first run filled (each API of ``--api both``).
+        """
         rng = np.random.default_rng([self.seed, 1000 + stream])
         if self.dataset:
             picks = rng.integers(len(self.dataset), size=num_requests)
@@ -162,9 +168,10 @@ class Workload:
             gaps = rng.exponential(1.0 / rate, size=num_requests)
             arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
         specs = []
+        token_rng = rng if variant == 0 else np.random.default_rng([self.seed, 1000 + stream, variant])
         for i, ((p, o), arrival) in enumerate(zip(lengths, arrivals.tolist(), strict=True)):
             shared = min(p, int(self.shared_prefix_frac * p))
-            own = rng.integers(*self.token_range, size=p - shared).tolist()
+            own = token_rng.integers(*self.token_range, size=p - shared).tolist()
             specs.append(RequestSpec(i, arrival, self.shared_prefix[:shared] + own, int(o)))
         return specs
 
@@ -307,8 +314,11 @@ class SetupProcesses:
         self.children.clear()
 
 
-def start_setup(setup: str, procs: SetupProcesses, args: argparse.Namespace, cpus: list[int]) -> list[Child]:
-    """Start the engines of ``setup`` pinned one per core, then its router: [engine, engine, router]."""
+def start_setup(
+    setup: str, procs: SetupProcesses, args: argparse.Namespace, cpus: list[int]
+) -> tuple[list[Child], str | None]:
+    """Start the engines of ``setup`` pinned one per core, then its router: ([engine, engine,
+    router], the router's OpenAI API URL when an ``--api`` needs it)."""
     model = ["--model", args.model] if args.model else []
     engine_args = ["--max-model-len", str(args.max_model_len), *shlex.split(args.engine_args)]
     roles = ["serve", "serve"] if setup == "colocated" else ["prefill", "decode"]
@@ -331,11 +341,25 @@ def start_setup(setup: str, procs: SetupProcesses, args: argparse.Namespace, cpu
     else:
         upstream = ["--prefill", addresses[0], "--decode", addresses[1], "--disagg-min-tokens", "0"]
 
+    http_url: list[str] = []  # the URL of the router actually started (its port may be retried)
+
     def router_argv(port: int) -> list[str]:
-        return ["router", "--host", HOST, "--port", str(port), *model, "--policy", "round_robin", *upstream]
+        argv = ["router", "--host", HOST, "--port", str(port), *model, "--policy", "round_robin", *upstream]
+        if "openai" in apis(args):
+            from pdserve.cluster import pick_free_ports
+
+            (http_port,) = pick_free_ports(HOST, 1)
+            http_url[:] = [f"http://{HOST}:{http_port}/v1"]
+            argv += ["--http-port", str(http_port)]
+        return argv
 
     (router,) = procs.start([(f"{setup}-router", router_argv, None)])
-    return [*engines, router]
+    return [*engines, router], (http_url[0] if http_url else None)
+
+
+def apis(args: argparse.Namespace) -> list[str]:
+    """The front doors to measure, in run order."""
+    return ["grpc", "openai"] if args.api == "both" else [args.api]
 
 
 # ---------------------------------------------------------------------- client
@@ -381,6 +405,48 @@ async def run_requests(
                 progress.update(1)
 
         await asyncio.gather(*(one(r) for r in results))
+    return results
+
+
+async def run_requests_openai(
+    base_url: str, specs: list[RequestSpec], tag: str, progress=None
+) -> list[RequestResult]:
+    """The same open loop through the router's OpenAI API: ``/v1/completions`` streamed, with
+    vLLM's ``continuous_usage_stats`` so each event says how many tokens it carries."""
+    from pdserve.bench.sse_client import HTTPStatusError, stream_events
+
+    results = [RequestResult(spec) for spec in specs]
+    start = time.perf_counter()
+
+    async def one(result: RequestResult) -> None:
+        spec = result.spec
+        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
+        body = {
+            "prompt": spec.prompt_token_ids,
+            "max_tokens": spec.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        result.sent = time.perf_counter()
+        seen = 0
+        try:
+            async for arrived, event in stream_events(f"{base_url}/completions", body, REQUEST_TIMEOUT_S):
+                if "error" in event:
+                    result.error = f"stream error: {event['error'].get('message')}"
+                    break
+                usage = event.get("usage") or {}
+                tokens = usage.get("completion_tokens", seen) - seen
+                if tokens > 0 and event.get("choices"):
+                    result.token_times.append((arrived, tokens))
+                    seen += tokens
+        except (HTTPStatusError, OSError, TimeoutError, ValueError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        if progress is not None:
+            progress.update(1)
+
+    await asyncio.gather(*(one(r) for r in results))
     return results
 
 
@@ -437,31 +503,40 @@ def run_setup(
 
     run = SetupRun()
     say(f"{setup}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
-    first_engine, _, router_child = start_setup(setup, procs, args, cpus)
+    (first_engine, _, router_child), http_url = start_setup(setup, procs, args, cpus)
     router = router_child.address
     info = engine_info(first_engine.address)
     workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
     run.kv_transport = info.kv_transport or None
     wait_router_ready(router, num_engines=2)
-    for spec in workload.draw(args.warmup, 1.0, stream=0):  # one by one: every engine and path warm
-        (result,) = asyncio.run(run_requests(router, [replace(spec, arrival_s=0.0)], f"warm-{setup}"))
-        if result.error:
-            raise RuntimeError(f"{setup}: warm-up request failed: {result.error}")
+
+    def send(api: str, specs: list[RequestSpec], tag: str, bar=None) -> list[RequestResult]:
+        if api == "openai":
+            return asyncio.run(run_requests_openai(http_url, specs, tag, bar))
+        return asyncio.run(run_requests(router, specs, tag, bar))
+
+    for api in apis(args):
+        for spec in workload.draw(args.warmup, 1.0, stream=0):  # one by one: every engine and path warm
+            (result,) = send(api, [replace(spec, arrival_s=0.0)], f"warm-{setup}")
+            if result.error:
+                raise RuntimeError(f"{setup}: warm-up request through {api} failed: {result.error}")
     for i, rate in enumerate(args.rates, start=1):
-        wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
-        specs = workload.draw(args.num_requests, rate, stream=i)
-        desc = f"{setup} @ {rate:g} req/s"
-        with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
-            results = asyncio.run(run_requests(router, specs, f"{setup}-{rate:g}", bar))
-        procs.check_alive()
-        records = [request_record(setup, rate, r, args) for r in results]
-        run.rows.append(summarize(setup, rate, results, records))
-        run.records += records
-        run.samples[(setup, rate, "ttft")] = [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None]
-        run.samples[(setup, rate, "itl")] = [g for r in results if r.error is None for g in r.itls_ms()]
-        errors = sorted({r.error for r in results if r.error})
-        if errors:
-            say(f"{desc}: {run.rows[-1]['failed']} failed: {errors[:3]}")
+        for variant, api in enumerate(apis(args)):
+            label = setup if api == "grpc" else f"{setup}/openai"
+            wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
+            specs = workload.draw(args.num_requests, rate, stream=i, variant=variant)
+            desc = f"{label} @ {rate:g} req/s"
+            with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
+                results = send(api, specs, f"{setup}-{rate:g}", bar)
+            procs.check_alive()
+            records = [request_record(label, rate, r, args) for r in results]
+            run.rows.append(summarize(label, rate, results, records))
+            run.records += records
+            run.samples[(label, rate, "ttft")] = [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None]
+            run.samples[(label, rate, "itl")] = [g for r in results if r.error is None for g in r.itls_ms()]
+            errors = sorted({r.error for r in results if r.error})
+            if errors:
+                say(f"{desc}: {run.rows[-1]['failed']} failed: {errors[:3]}")
     say(f"{setup}: stopping")
     return run
 
@@ -474,6 +549,13 @@ def _json_rate(row: dict[str, Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    p.add_argument(
+        "--api",
+        default="grpc",
+        choices=["grpc", "openai", "both"],
+        help="front door the client uses: the router's gRPC API, its OpenAI HTTP API, or both on the "
+        "same processes (rows 'SETUP/openai'; the report then adds the HTTP front's overhead)",
+    )
     p.add_argument(
         "--rates", type=float, nargs="+", default=[0.1, 0.25, 0.5], help="req/s (inf: all at once)"
     )
@@ -588,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
 
     print_report(rows, args)
+    overhead = front_overhead(rows)
+    if overhead:
+        print_front_overhead(overhead)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "log_dir", "no_progress")}
     payload = {
         "config": {
@@ -604,11 +689,13 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_after": os.getloadavg(),
         },
         "rows": [_json_rate(r) for r in rows],
+        "front_overhead": [_json_rate(r) for r in overhead],
         "requests": [_json_rate(r) for r in records],
     }
     save_json(args.json or default_path("serve", "json"), payload)
     plot_dir = args.plot_dir or os.path.dirname(default_path("serve", "json"))
-    plot_all(rows, samples, args.rates, args.setups, plot_dir, args)
+    labels = [setup if api == "grpc" else f"{setup}/openai" for setup in args.setups for api in apis(args)]
+    plot_all(rows, samples, args.rates, labels, plot_dir, args)
     return 0
 
 

@@ -198,6 +198,37 @@ def print_report(rows: list[dict], args: argparse.Namespace) -> None:
         )
 
 
+def front_overhead(rows: list[dict]) -> list[dict]:
+    """HTTP front vs gRPC front on the same processes and rate: p50 TTFT and ITL, and the
+    difference (what the OpenAI API costs over gRPC). Empty unless both APIs ran."""
+    by_key = {(r["setup"], r["rate"]): r for r in rows}
+    out = []
+    for (label, rate), http in by_key.items():
+        if not label.endswith("/openai"):
+            continue
+        setup = label[: -len("/openai")]
+        grpc = by_key.get((setup, rate))
+        if grpc is None:
+            continue
+        row: dict[str, Any] = {"setup": setup, "rate": rate}
+        for metric in ("ttft", "itl"):
+            g, h = grpc[f"{metric}_ms_p50"], http[f"{metric}_ms_p50"]
+            row[f"{metric}_ms_p50_grpc"], row[f"{metric}_ms_p50_http"] = g, h
+            row[f"{metric}_ms_p50_added"] = None if g is None or h is None else h - g
+        out.append(row)
+    return out
+
+
+def print_front_overhead(overhead: list[dict]) -> None:
+    columns = {
+        "setup": "setup", "rate\nreq/s": "rate",
+        "TTFT p50\ngRPC": "ttft_ms_p50_grpc", "TTFT p50\nHTTP": "ttft_ms_p50_http", "TTFT\nadded": "ttft_ms_p50_added",
+        "ITL p50\ngRPC": "itl_ms_p50_grpc", "ITL p50\nHTTP": "itl_ms_p50_http", "ITL\nadded": "itl_ms_p50_added",
+    }  # fmt: skip
+    table = [{column: r[key] for column, key in columns.items()} for r in overhead]
+    print_table("OpenAI HTTP front vs gRPC front (ms, client clock, same processes)", table, list(columns))
+
+
 def _cdf(ax, values: list[float], label: str) -> None:
     if not values:
         return

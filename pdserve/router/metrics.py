@@ -36,5 +36,12 @@ class RouterMetrics:
             "pdserve_router_engine_healthy", "1 if the engine is in rotation", ["role", "engine"], registry=self.registry
         )
 
+        self.http_requests = Counter(
+            "pdserve_router_http_requests",
+            "HTTP requests to the OpenAI-compatible API by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

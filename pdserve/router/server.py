@@ -1,10 +1,12 @@
-"""``pdserve router``: the gRPC front door of a P/D cluster."""
+"""``pdserve router``: the front doors of a P/D cluster: gRPC, and with ``--http-port`` the
+OpenAI-compatible HTTP API, both on one event loop over one engine pool and request path."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 import grpc
@@ -12,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.router.engines import EnginePool
+from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import POLICIES, RoutingPolicy
 from pdserve.router.service import RouterServicer
@@ -37,7 +40,24 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="prompts with fewer uncached tokens than this skip prefill and run on decode (0: always P/D)",
     )
-    parser.add_argument("--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED (HTTP 429)")
+    parser.add_argument(
+        "--http-port", type=int, default=None, help="serve the OpenAI-compatible API on http://HOST:PORT/v1"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model id of the HTTP API (default: from the model file)"
+    )
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger HTTP bodies get 413"
+    )
+
+
+def served_model_name(model: str | None) -> str:
+    """The id clients name the model by: the bundled model's name, a file's stem, a directory's name."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(model))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 async def serve_router(args: argparse.Namespace) -> None:
@@ -64,6 +84,12 @@ async def serve_router(args: argparse.Namespace) -> None:
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()
+    http: OpenAIServer | None = None
+    if args.http_port is not None:
+        http = OpenAIServer(
+            servicer, args.served_model_name or served_model_name(args.model), args.max_request_body_bytes
+        )
+        await http.start(args.host, args.http_port)
     for service in ("", ROUTER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     pool.start()
@@ -75,12 +101,16 @@ async def serve_router(args: argparse.Namespace) -> None:
     for service in ("", ROUTER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     logger.info("router serving on %s (%d engines, policy %s)", address, len(pool.engines), args.policy)
+    if http is not None:
+        print(f"pdserve router HTTP (OpenAI API) on http://{args.host}:{args.http_port}/v1", flush=True)
     print(f"pdserve router ready on {address}", flush=True)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if http is not None:
+        await http.stop()
     await server.stop(5.0)
     await pool.close()
 

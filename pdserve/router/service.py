@@ -27,6 +27,7 @@ from pdserve.engine.request import SamplingParams, validate_prompt
 from pdserve.router.engines import EngineHandle, EnginePool
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
+from pdserve.router.text import TextStream
 from pdserve.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import sampling_from_proto, sampling_to_proto
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 # A prompt (text) longer than this many bytes is refused before tokenizing it.
 MAX_PROMPT_BYTES = 1 << 20
 ENGINE_RPC_TIMEOUT_S = 600.0
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class RouterError(Exception):
@@ -46,12 +48,25 @@ class RouterError(Exception):
 
 
 @dataclass
+class PreparedRequest:
+    """A validated request, ready to route: what both front doors (gRPC and HTTP) hand the
+    one request path."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
 class LiveRequest:
     request_id: str
     arrival: float
     engines: list[EngineHandle] = field(default_factory=list)  # every engine it was sent to
     calls: list = field(default_factory=list)  # its engine streams in flight (cancelled on abort)
     aborted: bool = False
+    cut_short: bool = False  # ended by the router (a stop string) while engines still hold it
 
     def abort(self) -> None:
         """Stop relaying now: cancel every engine stream (each engine then frees the request)."""
@@ -61,24 +76,7 @@ class LiveRequest:
 
 
 class _Aborted(Exception):
-    """The client asked (through Abort) to end the request."""
-
-
-class IncrementalDetokenizer:
-    """Text deltas for a growing token list; holds back an incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.text = ""
-
-    def push(self, new_ids: list[int], final: bool = False) -> str:
-        self.token_ids.extend(new_ids)
-        full = self.tokenizer.decode(self.token_ids)
-        if full.endswith("\ufffd") and not final:
-            return ""
-        delta, self.text = full[len(self.text) :], full
-        return delta
+    """The client asked (through Abort, or by disconnecting) to end the request."""
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -112,14 +110,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             infos[0].block_size,
         )
 
-    def _validate(
-        self, request: router_pb2.GenerateRequest, vocab_size: int, max_model_len: int
-    ) -> tuple[list[int], SamplingParams]:
-        if request.prompt and request.prompt_token_ids:
-            raise ValueError("give either prompt or prompt_token_ids, not both")
-        if len(request.prompt.encode()) > MAX_PROMPT_BYTES:
-            raise ValueError(f"prompt: {len(request.prompt.encode())} bytes is over the {MAX_PROMPT_BYTES}-byte limit")
-        if request.prompt:
+    def prepare(self, request: router_pb2.GenerateRequest) -> PreparedRequest:
+        """Tokenize and validate; ValueError (-> INVALID_ARGUMENT / HTTP 400) names the field."""
+        vocab_size, max_model_len, _ = self._limits()
+        if sum(bool(x) for x in (request.prompt, request.prompt_token_ids, request.messages)) > 1:
+            raise ValueError("give one of prompt, prompt_token_ids or messages")
+        text_bytes = len(request.prompt.encode()) + sum(len(m.content.encode()) for m in request.messages)
+        if text_bytes > MAX_PROMPT_BYTES:
+            raise ValueError(f"prompt: {text_bytes} bytes is over the {MAX_PROMPT_BYTES}-byte limit")
+        if request.messages:
+            for i, message in enumerate(request.messages):
+                if message.role not in CHAT_ROLES:
+                    raise ValueError(f"messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
+            conversation = [{"role": m.role, "content": m.content} for m in request.messages]
+            tokens = self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation))
+        elif request.prompt:
             text = request.prompt
             if request.apply_chat_template:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -129,35 +134,71 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         validate_prompt(tokens, max_model_len, vocab_size)
         sampling = sampling_from_proto(request.sampling)
         sampling.validate(vocab_size)
-        return tokens, sampling
+        if any(not s for s in request.stop):
+            raise ValueError("stop: a stop string must not be empty")
+        return PreparedRequest(
+            tokens, sampling, request.priority, tuple(request.stop), request.include_stop_str_in_output
+        )
 
-    # ------------------------------------------------------------------ Generate
-
-    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        try:
-            vocab_size, max_model_len, block_size = self._limits()
-            tokens, sampling = self._validate(request, vocab_size, max_model_len)
-        except ValueError as exc:
-            self.metrics.rejected.labels(code="INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RouterError as exc:
-            await context.abort(exc.code, str(exc))
+    def admit(self, request_id: str) -> LiveRequest:
+        """Register a request as in flight, or refuse it (ALREADY_EXISTS, RESOURCE_EXHAUSTED)."""
         if request_id in self.live:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         if len(self.live) >= self.max_inflight:
             self.metrics.rejected.labels(code="RESOURCE_EXHAUSTED").inc()
-            await context.abort(
+            raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"router is at its limit of {self.max_inflight} requests in flight; retry later",
             )
         live = LiveRequest(request_id, time.perf_counter())
         self.live[request_id] = live
+        return live
+
+    def healthy(self) -> bool:
+        """True while a request can be served (a decode engine is in rotation)."""
+        return bool(self.pool.of_role("decode"))
+
+    def max_model_len(self) -> int:
+        return self._limits()[1]
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """The gRPC front door: prepare, admit, run; failures become status codes."""
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            prepared = self.prepare(request)
+            live = self.admit(request_id)
+        except ValueError as exc:
+            self.metrics.rejected.labels(code="INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouterError as exc:
+            await context.abort(exc.code, str(exc))
+        remaining = context.time_remaining()
+        try:
+            async with contextlib.aclosing(self.run(live, prepared, remaining)) as responses:
+                async for response in responses:
+                    yield response
+        except RouterError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def run(
+        self, live: LiveRequest, prepared: PreparedRequest, timeout: float | None = None
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The one request path, behind both front doors: route, stream, and on any early end
+        (abort, disconnect, failure, a stop string) abort the request on every engine touched.
+
+        Raises RouterError when the request fails; an abort ends the stream with
+        finish_reason "abort".
+        """
+        request_id = live.request_id
         finished = False
         try:
-            async for response in self._run(live, tokens, sampling, request.priority, block_size, context):
+            async for response in self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S):
                 finished = bool(response.finish_reason)
                 yield response
+                if finished:
+                    break
         except _Aborted:
             logger.info("%s: aborted by the client", request_id)
             self.metrics.requests.labels(finish_reason="abort").inc()
@@ -165,68 +206,78 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RouterError as exc:
             logger.warning("%s: %s", request_id, exc)
             self.metrics.requests.labels(finish_reason=exc.code.name.lower()).inc()
-            await context.abort(exc.code, str(exc))
+            raise
         finally:
             self.live.pop(request_id, None)
-            if not finished:
-                # Cancelled, timed out or failed: nothing may stay allocated anywhere.
+            if not finished or live.cut_short:
+                # Cancelled, disconnected, failed or cut short by a stop string: engines may
+                # still hold or run it, and nothing may stay allocated anywhere.
+                live.abort()
                 await asyncio.shield(self._abort_on_engines(live))
 
     async def _run(
-        self,
-        live: LiveRequest,
-        tokens: list[int],
-        sampling: SamplingParams,
-        priority: int,
-        block_size: int,
-        context: grpc.aio.ServicerContext,
+        self, live: LiveRequest, prepared: PreparedRequest, timeout: float
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        tokens, sampling, priority = prepared.prompt_token_ids, prepared.sampling, prepared.priority
+        block_size = self._limits()[2]
         block_hashes = hash_request_blocks(tokens, block_size, [])
         timings: dict = {"queue_ms": (time.perf_counter() - live.arrival) * 1e3, "num_prompt_tokens": len(tokens)}
-        detok = IncrementalDetokenizer(self.tokenizer)
+        text = TextStream(self.tokenizer, prepared.stop, prepared.include_stop_str_in_output, sampling.min_tokens)
         prefills = self.pool.of_role("prefill")
         decodes = self.pool.of_role("decode")
         if not decodes:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode engine")
         decode_hit = max(d.cached_prefix_blocks(block_hashes) for d in decodes) * block_size
         direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
-        timeout = context.time_remaining() or ENGINE_RPC_TIMEOUT_S
 
         if direct:
             stage = self._stream_stage(live, "decode", tokens, sampling, priority, None, block_hashes, timeout)
-            async for response, _ in self._relay(live, stage, detok, timings, first_stage=True):
-                yield response
+            async with contextlib.aclosing(self._relay(live, stage, text, timings, first_stage=True)) as relay:
+                async for response, _ in relay:
+                    yield response
             return
 
         # Prefill: the first token and the held blocks' address.
-        prefill_sampling = dataclasses.replace(sampling, max_tokens=1)
+        prefill_sampling = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
         remote = sampling.max_tokens > 1
         kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
         stage = self._stream_stage(live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout)
         first: engine_pb2.EngineGenerateResponse | None = None
+        fallback = False
         try:
-            async for response, message in self._relay(
-                live, stage, detok, timings, first_stage=True, last_stage=not remote
-            ):
-                first = message
-                yield response
+            async with contextlib.aclosing(
+                self._relay(live, stage, text, timings, first_stage=True, last_stage=not remote)
+            ) as relay:
+                async for response, message in relay:
+                    first = message
+                    yield response
+                    if response.finish_reason:
+                        return  # EOS, a stop token or string, max_tokens == 1
         except RouterError as exc:
             if exc.code != grpc.StatusCode.UNAVAILABLE or first is not None:
                 raise
             # Every prefill engine failed before answering: serve it colocated on decode.
             logger.warning("%s: %s; falling back to decode alone", live.request_id, exc)
+            fallback = True
+        if fallback:
             stage = self._stream_stage(live, "decode", tokens, sampling, priority, None, block_hashes, timeout)
-            async for response, _ in self._relay(live, stage, detok, timings, first_stage=True):
-                yield response
+            async with contextlib.aclosing(self._relay(live, stage, text, timings, first_stage=True)) as relay:
+                async for response, _ in relay:
+                    yield response
             return
-        if first is None or first.finish_reason != "length" or not remote:
-            return  # stopped at the first token (EOS / stop token) or max_tokens == 1
+        if first is None or first.finish_reason != "length":
+            return
         if live.aborted:
             raise _Aborted()
         prefill_done = time.perf_counter()
 
         # Decode: pulls the blocks, continues after the first token.
-        decode_sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - 1)
+        decode_sampling = dataclasses.replace(
+            sampling,
+            max_tokens=sampling.max_tokens - 1,
+            min_tokens=max(0, sampling.min_tokens - 1),
+            num_prior_output_tokens=len(first.token_ids),
+        )
         stage = self._stream_stage(
             live,
             "decode",
@@ -235,10 +286,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             priority,
             first.kv_transfer_params,
             block_hashes,
-            context.time_remaining() or ENGINE_RPC_TIMEOUT_S,
+            max(1.0, timeout - (prefill_done - live.arrival)),
         )
-        async for response, _ in self._relay(live, stage, detok, timings, first_stage=False, prefill_done=prefill_done):
-            yield response
+        async with contextlib.aclosing(
+            self._relay(live, stage, text, timings, first_stage=False, prefill_done=prefill_done)
+        ) as relay:
+            async for response, _ in relay:
+                yield response
 
     async def _stream_stage(
         self,
@@ -272,6 +326,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         sampling=sampling_to_proto(sampling),
                         priority=priority,
                         kv_transfer_params=kv,
+                        num_prior_output_tokens=sampling.num_prior_output_tokens,
                     ),
                     timeout=timeout,
                 )
@@ -309,7 +364,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         live: LiveRequest,
         stage: AsyncIterator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse]],
-        detok: IncrementalDetokenizer,
+        text: TextStream,
         timings: dict[str, float],
         first_stage: bool,
         last_stage: bool = True,
@@ -319,38 +374,48 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         A non-last stage (prefill before decode) ends the request only if it finished for
         another reason than handing over (``length`` after its one token): EOS, stop, abort.
+        A stop string ends it wherever it matches; the caller then aborts it on the engines.
         """
         stage_start = time.perf_counter()
         last_token_at: float | None = None
-        async for engine, message in stage:
-            now = time.perf_counter()
-            tokens = list(message.token_ids)
-            if tokens:
-                if first_stage and "ttft_ms" not in timings:
-                    timings["ttft_ms"] = (now - live.arrival) * 1e3
-                    timings["prefill_ms"] = (now - stage_start) * 1e3
-                    self.metrics.ttft.observe(now - live.arrival)
-                if prefill_done is not None and "transfer_ms" not in timings:
-                    timings["transfer_ms"] = (now - prefill_done) * 1e3
-                    self.metrics.transfer.observe(now - prefill_done)
-                if last_token_at is not None:
-                    self.metrics.itl.observe(now - last_token_at)
-                last_token_at = now
-            timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
-            timings["num_cached_tokens"] = max(timings.get("num_cached_tokens", 0), message.num_cached_tokens)
-            final = bool(message.finish_reason) and (last_stage or message.finish_reason != "length")
-            out = router_pb2.GenerateResponse(
-                request_id=live.request_id,
-                token_ids=tokens,
-                text=detok.push(tokens, final=final),
-                finish_reason=message.finish_reason if final else "",
-            )
-            if final:
-                if prefill_done is not None:
-                    timings["decode_ms"] = (now - prefill_done) * 1e3
-                out.metrics.CopyFrom(_metrics(timings))
-                self.metrics.requests.labels(finish_reason=message.finish_reason).inc()
-            yield out, message
+        async with contextlib.aclosing(stage):
+            async for engine, message in stage:
+                now = time.perf_counter()
+                tokens = list(message.token_ids)
+                if tokens:
+                    if first_stage and "ttft_ms" not in timings:
+                        timings["ttft_ms"] = (now - live.arrival) * 1e3
+                        timings["prefill_ms"] = (now - stage_start) * 1e3
+                        self.metrics.ttft.observe(now - live.arrival)
+                    if prefill_done is not None and "transfer_ms" not in timings:
+                        timings["transfer_ms"] = (now - prefill_done) * 1e3
+                        self.metrics.transfer.observe(now - prefill_done)
+                    if last_token_at is not None:
+                        self.metrics.itl.observe(now - last_token_at)
+                    last_token_at = now
+                timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
+                timings["num_cached_tokens"] = max(timings.get("num_cached_tokens", 0), message.num_cached_tokens)
+                finish_reason = message.finish_reason
+                final = bool(finish_reason) and (last_stage or finish_reason != "length")
+                delta = text.push(tokens, final=final)
+                if text.matched_stop is not None:
+                    live.cut_short = not final
+                    final, finish_reason = True, "stop"
+                    timings["stop_reason"] = text.matched_stop  # type: ignore[assignment]
+                out = router_pb2.GenerateResponse(
+                    request_id=live.request_id,
+                    token_ids=tokens,
+                    text=delta,
+                    finish_reason=finish_reason if final else "",
+                )
+                if final:
+                    if prefill_done is not None:
+                        timings["decode_ms"] = (now - prefill_done) * 1e3
+                    out.metrics.CopyFrom(_metrics(timings))
+                    self.metrics.requests.labels(finish_reason=finish_reason).inc()
+                yield out, message
+                if final:
+                    return
 
     async def _abort_on_engines(self, live: LiveRequest) -> None:
         for engine in {e.address: e for e in live.engines}.values():
@@ -361,13 +426,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     # ------------------------------------------------------------------ Abort, Stats
 
-    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        live = self.live.get(request.request_id)
+    async def abort_request(self, request_id: str) -> bool:
+        """End a request everywhere (Abort RPC, HTTP client gone); False if it is not running."""
+        live = self.live.get(request_id)
         if live is None:
-            return common_pb2.AbortResponse(found=False)
+            return False
         live.abort()
         await self._abort_on_engines(live)
-        return common_pb2.AbortResponse(found=True)
+        return True
+
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.AbortResponse(found=await self.abort_request(request.request_id))
 
     async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         async def one(engine: EngineHandle) -> common_pb2.EngineStats:
@@ -395,4 +464,5 @@ def _metrics(timings: dict) -> router_pb2.RequestMetrics:
         decode_engine=str(timings.get("decode_engine", "")),
         num_cached_tokens=int(timings.get("num_cached_tokens", 0)),
         num_prompt_tokens=int(timings.get("num_prompt_tokens", 0)),
+        stop_reason=str(timings.get("stop_reason", "")),
     )

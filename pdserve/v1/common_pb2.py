@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xbd\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x82\x02\n\x10KVTransferParams\x12\x18\n\x10\x64o_remote_decode\x18\x01 \x01(\x08\x12\x19\n\x11\x64o_remote_prefill\x18\x02 \x01(\x08\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x1a\n\x12remote_instance_id\x18\x04 \x01(\t\x12\x13\n\x0bremote_host\x18\x05 \x01(\t\x12\x13\n\x0bremote_port\x18\x06 \x01(\r\x12\x19\n\x11remote_request_id\x18\x07 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x08 \x03(\r\x12\x12\n\nnum_tokens\x18\t \x01(\r\x12\x10\n\x08lease_ms\x18\n \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd9\x02\n\x0b\x45ngineStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\"\n\x1anum_waiting_for_remote_kvs\x18\x06 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x07 \x01(\r\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x19\n\x11num_blocks_pulled\x18\t \x01(\x04\x12\x18\n\x10num_loads_failed\x18\n \x01(\x04\x12\x1a\n\x12num_leases_expired\x18\x0b \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xce\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokens\"\x82\x02\n\x10KVTransferParams\x12\x18\n\x10\x64o_remote_decode\x18\x01 \x01(\x08\x12\x19\n\x11\x64o_remote_prefill\x18\x02 \x01(\x08\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x1a\n\x12remote_instance_id\x18\x04 \x01(\t\x12\x13\n\x0bremote_host\x18\x05 \x01(\t\x12\x13\n\x0bremote_port\x18\x06 \x01(\r\x12\x19\n\x11remote_request_id\x18\x07 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x08 \x03(\r\x12\x12\n\nnum_tokens\x18\t \x01(\r\x12\x10\n\x08lease_ms\x18\n \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd9\x02\n\x0b\x45ngineStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\"\n\x1anum_waiting_for_remote_kvs\x18\x06 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x07 \x01(\r\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x19\n\x11num_blocks_pulled\x18\t \x01(\x04\x12\x18\n\x10num_loads_failed\x18\n \x01(\x04\x12\x1a\n\x12num_leases_expired\x18\x0b \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=229
-  _globals['_KVTRANSFERPARAMS']._serialized_start=232
-  _globals['_KVTRANSFERPARAMS']._serialized_end=490
-  _globals['_ABORTREQUEST']._serialized_start=492
-  _globals['_ABORTREQUEST']._serialized_end=526
-  _globals['_ABORTRESPONSE']._serialized_start=528
-  _globals['_ABORTRESPONSE']._serialized_end=558
-  _globals['_STATSREQUEST']._serialized_start=560
-  _globals['_STATSREQUEST']._serialized_end=574
-  _globals['_ENGINESTATS']._serialized_start=577
-  _globals['_ENGINESTATS']._serialized_end=922
+  _globals['_SAMPLINGPARAMS']._serialized_end=502
+  _globals['_KVTRANSFERPARAMS']._serialized_start=505
+  _globals['_KVTRANSFERPARAMS']._serialized_end=763
+  _globals['_ABORTREQUEST']._serialized_start=765
+  _globals['_ABORTREQUEST']._serialized_end=799
+  _globals['_ABORTRESPONSE']._serialized_start=801
+  _globals['_ABORTRESPONSE']._serialized_end=831
+  _globals['_STATSREQUEST']._serialized_start=833
+  _globals['_STATSREQUEST']._serialized_end=847
+  _globals['_ENGINESTATS']._serialized_start=850
+  _globals['_ENGINESTATS']._serialized_end=1195
 # @@protoc_insertion_point(module_scope)
