@@ -232,15 +232,28 @@ def _bad_inputs(vocab_size: int) -> dict[str, tuple[dict, str]]:
         "empty_token_ids": ({"prompt_token_ids": []}, "empty"),
         "prompt_too_long": ({"prompt_token_ids": [5] * 1024}, "max_model_len"),
         "token_outside_vocab": ({"prompt_token_ids": [1, 2, vocab_size + 7]}, "vocabulary"),
-        "negative_temperature": ({"prompt": "Hello", "temperature": -1.0}, "temperature"),
-        "top_p_above_one": ({"prompt": "Hello", "top_p": 2.0}, "top_p"),
-        "top_p_zero": ({"prompt": "Hello", "top_p": 0.0}, "top_p"),
-        "bad_top_k": ({"prompt": "Hello", "top_k": -5}, "top_k"),
         "stop_token_outside_vocab": ({"prompt": "Hello", "stop_token_ids": [vocab_size]}, "stop_token_ids"),
         "several_mb_of_text": ({"prompt": "lorem ipsum " * 300_000}, "bytes"),
         "two_million_token_ids": ({"prompt_token_ids": [5] * 2_000_000}, "max_model_len"),
     }
 
+
+# Sampling values the Python client refuses itself (ValueError, nothing sent); sent anyway as raw
+# protobuf, the router must refuse them too. An explicit zero is not "unset": max_tokens=0 must
+# not silently become the default of 16.
+BAD_SAMPLING = {
+    "zero_max_tokens": ({"max_tokens": 0}, "max_tokens"),
+    "negative_temperature": ({"temperature": -1.0}, "temperature"),
+    "top_p_above_one": ({"top_p": 2.0}, "top_p"),
+    "top_p_zero": ({"top_p": 0.0}, "top_p"),
+    "top_k_zero": ({"top_k": 0}, "top_k"),
+    "bad_top_k": ({"top_k": -5}, "top_k"),
+    "zero_repetition_penalty": ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    "presence_penalty_out_of_range": ({"presence_penalty": 3.0}, "presence_penalty"),
+    "frequency_penalty_out_of_range": ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    "min_p_above_one": ({"min_p": 1.5}, "min_p"),
+    "min_tokens_above_max_tokens": ({"max_tokens": 4, "min_tokens": 9}, "min_tokens"),
+}
 
 BAD_INPUT_CASES = list(_bad_inputs(0))
 
@@ -252,6 +265,32 @@ def test_bad_input_gives_invalid_argument_with_clear_message(client, tiny_llm, c
         client.generate(max_tokens=4, timeout=CALL_TIMEOUT_S, **kwargs)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert mentions in info.value.details(), info.value.details()
+
+
+@pytest.mark.parametrize("case", list(BAD_SAMPLING))
+def test_bad_sampling_value_is_refused_by_the_client_and_by_the_router(cluster, client, case):
+    fields, mentions = BAD_SAMPLING[case]
+    with pytest.raises(ValueError, match=mentions):
+        client.generate(prompt="Hello", **{"max_tokens": 4, **fields})
+
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    request = router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingParams(**fields))
+    with grpc.insecure_channel(cluster.router_address) as channel, pytest.raises(grpc.RpcError) as info:
+        list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CALL_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert mentions in info.value.details(), info.value.details()
+
+
+def test_unset_max_tokens_means_sixteen_over_raw_grpc(cluster):
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    request = router_pb2.GenerateRequest(
+        prompt="Hello", sampling=common_pb2.SamplingParams(ignore_eos=True)
+    )
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        messages = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CALL_TIMEOUT_S))
+    assert sum(len(m.token_ids) for m in messages) == 16
 
 
 def test_cluster_still_serves_and_holds_no_blocks_after_bad_input(client, prompts, expected):
