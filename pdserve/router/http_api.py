@@ -59,6 +59,7 @@ _STATUS_OF_CODE = {
 }
 
 Body = TypeVar("Body", bound=_SamplingRequest)
+_COMPACT = (",", ":")  # JSON separators of the SSE chunks, as OpenAI sends them
 
 
 def openai_error_of(exc: RouterError) -> OpenAIError:
@@ -396,7 +397,7 @@ class OpenAIServer:
             }
             if include_usage:
                 chunk["usage"] = usage
-            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            return f"data: {json.dumps(chunk, ensure_ascii=False, separators=_COMPACT)}\n\n"
 
         queue: asyncio.Queue[tuple[Choice, router_pb2.GenerateResponse | RouterError | None]] = (
             asyncio.Queue()
