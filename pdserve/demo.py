@@ -17,6 +17,7 @@ import sys
 import time
 
 import grpc
+import openai
 
 from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster
@@ -78,10 +79,8 @@ def run_prompts(client: Client) -> None:
 
 def run_openai_sdk(base_url: str) -> None:
     """One streamed chat completion through the HTTP front door, as any OpenAI app would send it."""
-    from openai import OpenAI
-
     print(f"\n[OpenAI SDK] POST {base_url}/chat/completions (stream)", flush=True)
-    sdk = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    sdk = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     model = sdk.models.list().data[0].id
     print(f"  model {model!r}\n  -> ", end="", flush=True)
     stream = sdk.chat.completions.create(
@@ -152,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except grpc.RpcError as exc:
         print(f"error: request failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except openai.APIError as exc:
+        print(f"error: OpenAI API request failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; cluster stopped", file=sys.stderr)
