@@ -177,3 +177,33 @@ def test_lengths_and_dataset_parsing(tmp_path):
     path.write_text('{"prompt_len": 100}\n')
     with pytest.raises(ValueError, match="lengths.jsonl:1"):
         serve.load_dataset(str(path))
+
+
+def test_bench_serve_api_both_alternates_the_front_doors_and_reports_the_http_overhead(tmp_path):
+    """``--api both``: one open loop whose requests alternate between the router's gRPC API and
+    its OpenAI HTTP API on the same processes; every token is counted through both."""
+    model = write_tiny_model(str(tmp_path / "model"), seed=0)
+    json_path = tmp_path / "serve.json"
+    argv = [
+        "--model", model, "--setups", "pd", "--api", "both", "--rates", "4", "--num-requests", "6",
+        "--prompt-len", "24:80", "--output-len", str(OUTPUT_LEN), "--warmup", "1",
+        "--engine-args", "--num-blocks 128 --max-num-batched-tokens 512", "--max-model-len", "256",
+        "--json", str(json_path), "--plot-dir", str(tmp_path / "plots"), "--no-progress",
+    ]  # fmt: skip
+    assert serve.main(argv) == 0
+    payload = json.loads(json_path.read_text())
+    assert [r["setup"] for r in payload["rows"]] == ["pd", "pd/openai"]
+    for row in payload["rows"]:
+        assert row["num_requests"] == row["completed"] == 3 and row["failed"] == 0
+    http_records = [r for r in payload["requests"] if r["setup"] == "pd/openai"]
+    assert len(http_records) == 3
+    for rec in http_records:
+        assert rec["error"] is None and rec["num_tokens"] == OUTPUT_LEN
+        assert 0 < rec["ttft_ms"] <= rec["e2e_ms"]
+    (overhead,) = payload["front_overhead"]
+    assert overhead["setup"] == "pd" and overhead["rate"] == 4.0
+    for metric in ("ttft", "itl"):
+        grpc_ms, http_ms = overhead[f"{metric}_ms_p50_grpc"], overhead[f"{metric}_ms_p50_http"]
+        assert grpc_ms > 0 and http_ms > 0
+        assert math.isclose(overhead[f"{metric}_ms_p50_added"], http_ms - grpc_ms)
+    assert _processes_mentioning(model) == []

@@ -148,12 +148,8 @@ class Workload:
             return max(p + o for p, o in self.dataset)
         return self.prompt_len[1] + self.output_len[1]
 
-    def draw(self, num_requests: int, rate: float, stream: int, variant: int = 0) -> list[RequestSpec]:
-        """Requests of rate-stream ``stream`` (a different stream gives different prompts).
-
-        ``variant`` keeps the lengths and arrival times but draws other token ids: the same load
-        again without hitting the prefix cache the first run filled (each API of ``--api both``).
-        """
+    def draw(self, num_requests: int, rate: float, stream: int) -> list[RequestSpec]:
+        """Requests of rate-stream ``stream`` (a different stream gives different prompts)."""
         rng = np.random.default_rng([self.seed, 1000 + stream])
         if self.dataset:
             picks = rng.integers(len(self.dataset), size=num_requests)
@@ -168,10 +164,9 @@ class Workload:
             gaps = rng.exponential(1.0 / rate, size=num_requests)
             arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
         specs = []
-        token_rng = rng if variant == 0 else np.random.default_rng([self.seed, 1000 + stream, variant])
         for i, ((p, o), arrival) in enumerate(zip(lengths, arrivals.tolist(), strict=True)):
             shared = min(p, int(self.shared_prefix_frac * p))
-            own = token_rng.integers(*self.token_range, size=p - shared).tolist()
+            own = rng.integers(*self.token_range, size=p - shared).tolist()
             specs.append(RequestSpec(i, arrival, self.shared_prefix[:shared] + own, int(o)))
         return specs
 
@@ -510,25 +505,37 @@ def run_setup(
     run.kv_transport = info.kv_transport or None
     wait_router_ready(router, num_engines=2)
 
-    def send(api: str, specs: list[RequestSpec], tag: str, bar=None) -> list[RequestResult]:
+    async def send_async(api: str, specs: list[RequestSpec], tag: str, bar=None) -> list[RequestResult]:
         if api == "openai":
-            return asyncio.run(run_requests_openai(http_url, specs, tag, bar))
-        return asyncio.run(run_requests(router, specs, tag, bar))
+            return await run_requests_openai(http_url, specs, tag, bar)
+        return await run_requests(router, specs, tag, bar)
+
+    async def send_both(specs: list[RequestSpec], tag: str, bar=None) -> list[list[RequestResult]]:
+        """Request k goes through gRPC if k is even, through the OpenAI API if odd: one open loop
+        (same arrival process, same engine load at the same moments), so the difference between
+        the two halves is the front door's, not the engines' drift between two runs."""
+        halves = await asyncio.gather(
+            send_async("grpc", specs[0::2], tag, bar), send_async("openai", specs[1::2], tag, bar)
+        )
+        return list(halves)
 
     for api in apis(args):
         for spec in workload.draw(args.warmup, 1.0, stream=0):  # one by one: every engine and path warm
-            (result,) = send(api, [replace(spec, arrival_s=0.0)], f"warm-{setup}")
+            (result,) = asyncio.run(send_async(api, [replace(spec, arrival_s=0.0)], f"warm-{setup}"))
             if result.error:
                 raise RuntimeError(f"{setup}: warm-up request through {api} failed: {result.error}")
     for i, rate in enumerate(args.rates, start=1):
-        for variant, api in enumerate(apis(args)):
+        wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
+        specs = workload.draw(args.num_requests, rate, stream=i)
+        desc = f"{setup} @ {rate:g} req/s" + (" (gRPC and OpenAI API alternating)" if args.api == "both" else "")
+        with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
+            if args.api == "both":
+                per_api = dict(zip(apis(args), asyncio.run(send_both(specs, f"{setup}-{rate:g}", bar)), strict=True))
+            else:
+                per_api = {args.api: asyncio.run(send_async(args.api, specs, f"{setup}-{rate:g}", bar))}
+        procs.check_alive()
+        for api, results in per_api.items():
             label = setup if api == "grpc" else f"{setup}/openai"
-            wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
-            specs = workload.draw(args.num_requests, rate, stream=i, variant=variant)
-            desc = f"{label} @ {rate:g} req/s"
-            with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
-                results = send(api, specs, f"{setup}-{rate:g}", bar)
-            procs.check_alive()
             records = [request_record(label, rate, r, args) for r in results]
             run.rows.append(summarize(label, rate, results, records))
             run.records += records
@@ -536,7 +543,7 @@ def run_setup(
             run.samples[(label, rate, "itl")] = [g for r in results if r.error is None for g in r.itls_ms()]
             errors = sorted({r.error for r in results if r.error})
             if errors:
-                say(f"{desc}: {run.rows[-1]['failed']} failed: {errors[:3]}")
+                say(f"{label} @ {rate:g} req/s: {run.rows[-1]['failed']} failed: {errors[:3]}")
     say(f"{setup}: stopping")
     return run
 
@@ -553,8 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api",
         default="grpc",
         choices=["grpc", "openai", "both"],
-        help="front door the client uses: the router's gRPC API, its OpenAI HTTP API, or both on the "
-        "same processes (rows 'SETUP/openai'; the report then adds the HTTP front's overhead)",
+        help="front door the client uses: the router's gRPC API, its OpenAI HTTP API, or both (each "
+        "rate's requests alternate between them in one open loop; rows 'SETUP' and 'SETUP/openai' "
+        "get half each, and the report adds the HTTP front's overhead)",
     )
     p.add_argument(
         "--rates", type=float, nargs="+", default=[0.1, 0.25, 0.5], help="req/s (inf: all at once)"
