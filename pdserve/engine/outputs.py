@@ -19,6 +19,7 @@ class NewRequestData:
     num_computed_tokens: int
     # Tokens already generated (non-empty when a preempted request is rescheduled from scratch).
     output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None  # min_tokens masks it
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -29,6 +30,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             output_token_ids=list(request.output_token_ids),
+            eos_token_id=request.eos_token_id,
         )
 
 

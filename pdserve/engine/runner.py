@@ -17,8 +17,7 @@ from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pdserve.engine.request import SamplingParams
-from pdserve.engine.sampler import make_generator, sample
+from pdserve.engine.sampler import SamplingState, sample
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +30,7 @@ class CachedRequestState:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None = field(default=None, repr=False)
+    sampling: SamplingState = field(repr=False)
 
 
 @dataclass
@@ -65,6 +63,7 @@ class ModelRunner:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
+        self.vocab_size = model.config.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
 
     # ------------------------------------------------------------------ state mirror
@@ -78,8 +77,13 @@ class ModelRunner:
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                sampling_params=new.sampling_params,
-                generator=make_generator(new.sampling_params),
+                sampling=SamplingState.create(
+                    new.sampling_params,
+                    new.eos_token_id,
+                    list(new.prompt_token_ids),
+                    list(new.output_token_ids),
+                    self.vocab_size,
+                ),
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -143,11 +147,7 @@ class ModelRunner:
         new_tokens: dict[str, list[int]] = {}
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])
-            tokens = sample(
-                logits,
-                [seg.state.sampling_params for seg in sampling_segments],
-                [seg.state.generator for seg in sampling_segments],
-            )
+            tokens = sample(logits, [seg.state.sampling for seg in sampling_segments])
             for seg, token in zip(sampling_segments, tokens, strict=True):
                 seg.state.token_ids.append(token)
                 new_tokens[seg.state.req_id] = [token]

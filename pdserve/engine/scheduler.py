@@ -38,13 +38,16 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """Set the finished status if the last token ends the request; True if it does."""
     params = request.sampling_params
     last_token = request.output_token_ids[-1]
-    if not params.ignore_eos and last_token == request.eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    if last_token in params.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last_token
-        return True
+    # Before min_tokens only the length limits end a request (the sampler also masks EOS and
+    # the stop ids until then).
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and last_token == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last_token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token
+            return True
     if request.num_tokens >= max_model_len or request.num_output_tokens >= params.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
