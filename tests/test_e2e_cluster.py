@@ -109,6 +109,39 @@ def test_1p1d_greedy_matches_colocated_for_16_concurrent_prompts(client, cluster
     _assert_all_idle(client)
 
 
+def test_a_prompt_decode_has_cached_skips_prefill_the_second_time(client, tiny_llm):
+    prompt = _fresh_prompt(tiny_llm.tokenizer, 200)
+    first = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    again = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert first.metrics["prefill_engine"] and not again.metrics["prefill_engine"]
+    assert again.token_ids == first.token_ids
+    assert again.metrics["num_cached_tokens"] >= 192  # decode's prefix cache served the prompt
+
+
+SAMPLED = {
+    "seeded": {"temperature": 1.0, "seed": 1234},
+    "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.6, "presence_penalty": 0.3},
+    "seeded_min_p_and_penalties": {"temperature": 0.8, "seed": 7, "min_p": 0.05, "frequency_penalty": 1.0},
+    "min_tokens": {"min_tokens": 6, "stop_token_ids": [2]},
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLED))
+def test_sampling_parameters_give_the_colocated_tokens_through_prefill_and_decode(
+    client, tiny_llm, prompts, case
+):
+    """The prefill engine draws token 0 and the decode engine the rest: seeded draws and
+    penalties (which count the prefill's token as output) must not notice the split."""
+    fields = SAMPLED[case]
+    fresh = _fresh_prompt(tiny_llm.tokenizer, 200)
+    for prompt in (prompts[0], fresh):  # decode alone, and through prefill
+        expected = tiny_llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, **fields))[0]
+        got = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout=CALL_TIMEOUT_S, **fields)
+        assert got.token_ids == expected.token_ids, (case, len(prompt))
+        assert bool(got.metrics["prefill_engine"]) == (prompt is fresh)
+    _assert_all_idle(client)
+
+
 def test_2p2d_greedy_matches_colocated_and_spreads_over_engines(tiny_model_dir, prompts, expected):
     with (
         LocalCluster(

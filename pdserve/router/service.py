@@ -333,8 +333,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 live.calls.append(call)
                 async for message in call:
                     produced = True
+                    if message.finish_reason:
+                        # Its prefix cache now holds the prompt (remembered before the caller,
+                        # done with the request, may close this stage at the last message).
+                        engine.remember_blocks(block_hashes)
                     yield engine, message
-                engine.remember_blocks(block_hashes)
                 return
             except asyncio.CancelledError:
                 if live.aborted:
