@@ -28,6 +28,7 @@ def _schedule_prefill(manager: KVCacheManager, request: Request) -> list[int]:
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     new_ids = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits)
     assert new_ids is not None
+    manager.record_prefix_query(request.num_tokens, num_hit_tokens)  # admitted: counted once
     request.num_computed_tokens = request.num_tokens
     return manager.get_block_ids(request.request_id)
 

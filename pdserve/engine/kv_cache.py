@@ -129,12 +129,14 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the prefix-cache index (reused for new content, or its content
+        turned out wrong); a no-op for an uncached block."""
         if block.block_hash is None:
             return
         same_hash = self.cached_block_hash_to_block.get(block.block_hash)
@@ -227,10 +229,14 @@ class KVCacheManager:
             if block is None:
                 break
             computed.append(block)
-        num_tokens = len(computed) * self.block_size
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_tokens
-        return computed, num_tokens
+        return computed, len(computed) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup. The scheduler calls this once a request is admitted,
+        not per lookup: a request that waits for blocks is looked up again every step."""
+        if self.enable_caching:
+            self.prefix_cache_stats.queries += num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,
@@ -280,8 +286,31 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        # After an invalidation, a block shared with another request (a prefix hit) may already
+        # have been re-indexed by that request when it recomputed it first.
+        while start < num_full and blocks[start].block_hash == hashes[start]:
+            start += 1
         self.block_pool.cache_full_blocks(blocks, hashes, start, num_full)
         self.num_cached_blocks[request.request_id] = num_full
+
+    def invalidate_blocks(self, invalid_block_ids: set[int]) -> dict[str, int]:
+        """Blocks whose content is wrong (a failed KV load) leave the prefix cache, and so does
+        every later block of a request holding one (computed over them): no request can hit
+        them any more. Returns {req_id: index of its first invalid block} for every request
+        holding one; each re-indexes its blocks from there as it recomputes them."""
+        affected: dict[str, int] = {}
+        for req_id, blocks in self.req_to_blocks.items():
+            first = next((i for i, block in enumerate(blocks) if block.block_id in invalid_block_ids), None)
+            if first is None:
+                continue
+            affected[req_id] = first
+            for block in blocks[first:]:
+                self.block_pool.uncache(block)
+            self.num_cached_blocks[req_id] = min(self.num_cached_blocks.get(req_id, 0), first)
+        for block_id in invalid_block_ids:  # also those no request holds any more
+            if 0 <= block_id < len(self.block_pool.blocks):
+                self.block_pool.uncache(self.block_pool.blocks[block_id])
+        return affected
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a prefix's tail is evicted before its head."""

@@ -6,6 +6,28 @@ remote KV (the P/D connector) both count as already-computed tokens. A decode en
 whose KV is still in flight sits in ``WAITING_FOR_REMOTE_KVS`` with its blocks allocated; a
 prefill engine's finished request may keep its blocks (``delay_free``) until the connector says
 the remote reader is done.
+
+KV blocks reported invalid by the worker (a failed load, synchronous or not) roll every request
+holding one back to its first invalid block, dropping a token sampled over them, or fail it
+(``kv_load_failure_policy``); the blocks leave the prefix cache either way.
+
+Where this follows the seed scheduler (vLLM v1 as of the seed) rather than newer vLLM, or
+differs on purpose:
+
+- With chunked prefill off, a waiting prompt longer than the remaining budget is skipped
+  (``continue``: shorter requests behind it may still be admitted), as in the seed; newer vLLM
+  stops admitting (``break``).
+- A step that had to preempt admits no waiting request (as vLLM), and a waiting request that
+  cannot get blocks stops admission for the step: no overtaking.
+- Prefix-cache queries and hits are counted once per admission (when the request gets its
+  blocks), not per lookup: a request waiting for blocks is looked up again every step.
+- A connector answering ``(0, True)`` (an asynchronous load of nothing) is a contract violation;
+  it is logged once, naming the connector, and treated as ``(0, False)`` rather than parking the
+  request in WAITING_FOR_REMOTE_KVS with nothing to wake it.
+- A running request rolled back over invalid blocks is sent to the runner as a new request
+  (its full block table and tokens) so the runner's copy drops the discarded token too.
+- Invalid blocks of a request that already finished and is held for a remote reader (a prefill
+  engine's lease) are only taken out of the prefix cache; the reader's own validation decides.
 """
 
 from __future__ import annotations
@@ -88,7 +110,11 @@ class Scheduler(SchedulerInterface):
         # Outputs produced outside a model step (e.g. a failed KV load), sent with the next update:
         # [(client_index, output)]
         self.pending_outputs: list[tuple[int, EngineCoreOutput]] = []
+        # Running requests rolled back over invalid KV blocks: the runner's copy of each (which
+        # holds the dropped token) is replaced by a full new-request record when next scheduled.
+        self.resync_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self._warned_empty_async_load = False
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -152,6 +178,7 @@ class Scheduler(SchedulerInterface):
         self.held_req_ids.discard(req_id)
         self.pending_remote_tokens.pop(req_id, None)
         self.finished_recving_kv_req_ids.discard(req_id)
+        self.resync_req_ids.discard(req_id)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -215,12 +242,15 @@ class Scheduler(SchedulerInterface):
             num_external_tokens = 0
             computed_blocks: list = []
             num_local_tokens = 0
-            if self.kv_cache_manager.num_blocks_of(request.request_id) == 0:
+            first_lookup = self.kv_cache_manager.num_blocks_of(request.request_id) == 0
+            if first_lookup:
                 computed_blocks, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None:
                     num_external_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
                         request, num_local_tokens
                     )
+                    if load_kv_async and num_external_tokens == 0:
+                        load_kv_async = self._refuse_empty_async_load()
                 num_computed_tokens = num_local_tokens + num_external_tokens
             else:
                 # Remote KV has landed (or failed and is being recomputed) into blocks it holds.
@@ -247,6 +277,8 @@ class Scheduler(SchedulerInterface):
             )
             if new_block_ids is None:
                 break  # out of blocks: later requests wait too (no overtaking)
+            if first_lookup:
+                self.kv_cache_manager.record_prefix_query(request.num_tokens, num_local_tokens)
 
             if self.connector is not None:
                 self.connector.update_state_after_alloc(
@@ -276,10 +308,15 @@ class Scheduler(SchedulerInterface):
         assert total <= config.max_num_batched_tokens and token_budget >= 0
         assert len(self.running) <= config.max_num_seqs
 
+        resynced = [r for r in scheduled_running if r.request_id in self.resync_req_ids]
+        if resynced:
+            self.resync_req_ids.difference_update(r.request_id for r in resynced)
+            scheduled_running = [r for r in scheduled_running if r not in resynced]
         output = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData.from_request(r, req_to_new_block_ids[r.request_id]) for r in scheduled_new
-            ],
+                NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id)) for r in resynced
+            ]
+            + [NewRequestData.from_request(r, req_to_new_block_ids[r.request_id]) for r in scheduled_new],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.request_id for r in scheduled_running],
                 resumed_from_preemption=[False] * len(scheduled_running),
@@ -313,6 +350,7 @@ class Scheduler(SchedulerInterface):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.resync_req_ids.discard(request.request_id)  # it comes back as a new request anyway
         self.waiting.prepend_request(request)
         logger.debug("preempted %s", request.request_id)
 
@@ -337,10 +375,16 @@ class Scheduler(SchedulerInterface):
         sampled = model_runner_output.sampled_token_ids
         index_of = model_runner_output.req_id_to_index
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        # Before any token is taken: a token sampled over invalid KV must not be.
+        rolled_back = (
+            self._handle_invalid_blocks(model_runner_output.invalid_block_ids)
+            if model_runner_output.invalid_block_ids
+            else set()
+        )
         new_running: list[Request] = []
         for request in self.running:
             req_id = request.request_id
-            if num_scheduled.get(req_id, 0) == 0:
+            if num_scheduled.get(req_id, 0) == 0 or req_id in rolled_back:
                 new_running.append(request)
                 continue
             new_token_ids = list(sampled[index_of[req_id]]) if req_id in index_of else []
@@ -379,8 +423,6 @@ class Scheduler(SchedulerInterface):
         return result
 
     def _update_from_kv_xfer_finished(self, output: ModelRunnerOutput) -> None:
-        if output.invalid_block_ids:
-            self._handle_failed_loads(output.invalid_block_ids)
         for req_id in output.finished_recving or ():
             request = self.requests.get(req_id)
             if request is None:
@@ -395,36 +437,67 @@ class Scheduler(SchedulerInterface):
             if request is not None and request.is_finished():
                 self._free_blocks(request)
 
-    def _handle_failed_loads(self, invalid_block_ids: set[int]) -> None:
-        """Remote loads that failed: recompute from the last valid block, or fail the request."""
-        loading = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        for request in loading:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            first_bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
-            if first_bad is None:
-                continue
-            logger.warning("remote KV load failed for %s at block %d", request.request_id, first_bad)
-            if self.scheduler_config.kv_load_failure_policy == "fail":
-                self.waiting.remove_requests([request])
-                request.status = RequestStatus.FINISHED_ERROR
-                request.stop_reason = "kv_load_failed"
-                self._free_request(request)
-                self.pending_outputs.append(
-                    (
-                        request.client_index,
-                        EngineCoreOutput(
-                            request_id=request.request_id,
-                            new_token_ids=[],
-                            finish_reason=request.get_finished_reason(),
-                            stop_reason=request.stop_reason,
-                        ),
-                    )
-                )
-                continue
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
+        """KV blocks the worker could not load (or loaded wrong). Every request holding one is
+        affected: an asynchronous load still waiting, a synchronously loaded request that ran
+        this step over the bad KV, and any request that shares the blocks through the prefix
+        cache. Under ``recompute`` each rolls back to its first invalid block (a running one
+        also drops the token sampled this step); under ``fail`` each ends with an error. The
+        blocks leave the prefix cache either way. Returns the running requests rolled back.
+        """
+        fail = self.scheduler_config.kv_load_failure_policy == "fail"
+        rolled_back: set[str] = set()
+        for req_id, first_bad in self.kv_cache_manager.invalidate_blocks(invalid_block_ids).items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished and held for a remote reader: nothing will compute on them
+            logger.warning("%s: KV blocks invalid from block %d (%s)", req_id, first_bad, "fail" if fail else "recompute")
             valid_tokens = first_bad * self.block_size
-            pending = self.pending_remote_tokens.get(request.request_id, 0)
-            self.pending_remote_tokens[request.request_id] = min(pending, valid_tokens)
-            self.finished_recving_kv_req_ids.add(request.request_id)
+            if fail:
+                self._fail_request(request, "kv_load_failed")
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                pending = self.pending_remote_tokens.get(req_id, 0)
+                self.pending_remote_tokens[req_id] = min(pending, valid_tokens)
+                self.finished_recving_kv_req_ids.add(req_id)
+            else:
+                request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
+                self.resync_req_ids.add(req_id)
+                rolled_back.add(req_id)
+        return rolled_back
+
+    def _fail_request(self, request: Request, stop_reason: str) -> None:
+        """End a request with an error output (sent with this step's outputs) and free it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove_requests([request])
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = stop_reason
+        self._free_request(request)
+        self.pending_outputs.append(
+            (
+                request.client_index,
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                ),
+            )
+        )
+
+    def _refuse_empty_async_load(self) -> bool:
+        """A connector answered ``(0, True)``: an asynchronous load of nothing, which would park
+        the request in WAITING_FOR_REMOTE_KVS with no load to finish it. It is a contract
+        violation; the request is scheduled as if the answer were ``(0, False)``."""
+        if not self._warned_empty_async_load:
+            logger.warning(
+                "%s.get_num_new_matched_tokens returned (0, True): nothing to load asynchronously; "
+                "treating it as (0, False)",
+                type(self.connector).__name__,
+            )
+            self._warned_empty_async_load = True
+        return False
 
     # ------------------------------------------------------------------ introspection
 
