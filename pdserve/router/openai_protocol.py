@@ -205,14 +205,28 @@ class ChatMessageIn(_Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # OpenAI's tool and audio fields: refused when set (see ``text``).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
 
     def text(self, index: int) -> str:
+        """The message's text; refuses roles and fields pdserve does not support."""
         if self.role not in ("system", "developer", "user", "assistant"):
             raise OpenAIError(
                 400,
                 f"messages[{index}].role: {self.role!r} is not supported (system, developer, user, assistant)",
                 param=f"messages[{index}].role",
             )
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(self, name) is not None:
+                raise OpenAIError(
+                    400,
+                    f"messages[{index}].{name}: not supported by pdserve",
+                    param=f"messages[{index}].{name}",
+                )
         if self.content is None:
             raise OpenAIError(
                 400, f"messages[{index}].content: is required", param=f"messages[{index}].content"

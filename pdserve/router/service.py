@@ -192,7 +192,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finish_reason "abort".
         """
         request_id = live.request_id
-        finished = False
+        finished = counted = False
         try:
             async for response in self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S):
                 finished = bool(response.finish_reason)
@@ -202,13 +202,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except _Aborted:
             logger.info("%s: aborted by the client", request_id)
             self.metrics.requests.labels(finish_reason="abort").inc()
+            counted = True
             yield router_pb2.GenerateResponse(request_id=request_id, finish_reason="abort")
         except RouterError as exc:
             logger.warning("%s: %s", request_id, exc)
             self.metrics.requests.labels(finish_reason=exc.code.name.lower()).inc()
+            counted = True
             raise
         finally:
             self.live.pop(request_id, None)
+            if not finished and not counted:
+                # The caller went away (gRPC cancel or deadline, HTTP stream closed).
+                logger.info("%s: the client went away", request_id)
+                self.metrics.requests.labels(finish_reason="abort").inc()
             if not finished or live.cut_short:
                 # Cancelled, disconnected, failed or cut short by a stop string: engines may
                 # still hold or run it, and nothing may stay allocated anywhere.
