@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import SamplingState, draw_seed, processed_logits, sample, sampling_distribution
+from pdserve.engine.scheduler import check_stop
 
 LOGITS = [2.0, 1.0, 0.5, -1.0, 0.0, 3.0]
 VOCAB = len(LOGITS)
@@ -86,6 +87,69 @@ def test_min_p_applies_after_temperature():
     probs = sampling_distribution(torch.tensor(processed(st)), st.params).tolist()
     weights = [math.exp(-0.5), math.exp(-1.0), 0.0, 0.0, 0.0, 1.0]
     assert probs == pytest.approx([w / sum(weights) for w in weights], abs=1e-6)
+
+
+def test_penalties_shape_the_sampling_distribution_before_temperature():
+    # Prompt token 0, outputs 5, 5: repetition 2 gives token 0 -> 1.0 and token 5 -> 1.5, then
+    # frequency 0.25 * 2 takes token 5 to 1.0. Temperature 2 then halves every logit.
+    st = state([0], outputs=[5, 5], temperature=2.0, repetition_penalty=2.0, frequency_penalty=0.25)
+    probs = sampling_distribution(torch.tensor(processed(st)), st.params).tolist()
+    penalised = [1.0, 1.0, 0.5, -1.0, 0.0, 1.0]
+    weights = [math.exp(x / 2) for x in penalised]
+    assert probs == pytest.approx([w / sum(weights) for w in weights], abs=1e-6)
+
+
+def test_min_tokens_removes_eos_and_stop_ids_from_the_sampling_distribution():
+    st = state([], temperature=1.0, min_tokens=1, stop_token_ids=[0])
+    probs = sampling_distribution(torch.tensor(processed(st)), st.params).tolist()
+    weights = [0.0, math.exp(1.0), math.exp(0.5), math.exp(-1.0), 1.0, 0.0]
+    assert probs == pytest.approx([w / sum(weights) for w in weights], abs=1e-6)
+    st.append(1)  # one generated: nothing is masked any more
+    assert processed(st) == LOGITS
+
+
+def test_more_prior_outputs_than_prompt_tokens_count_the_whole_prompt_as_output():
+    st = state([1, 5], frequency_penalty=1.0, num_prior_output_tokens=3)
+    assert processed(st) == [2.0, 0.0, 0.5, -1.0, 0.0, 2.0]
+
+
+def test_state_rebuilt_after_preemption_equals_the_incrementally_updated_one():
+    kwargs = {"temperature": 1.0, "seed": 3, "frequency_penalty": 0.5, "num_prior_output_tokens": 1}
+    live = state([0, 3, 5], **kwargs)
+    for token in [5, 1, 1]:
+        live.append(token)
+    resumed = state([0, 3, 5], outputs=[5, 1, 1], **kwargs)
+    assert resumed.output_counts.tolist() == live.output_counts.tolist() == [0, 2, 0, 0, 0, 2]
+    assert resumed.prompt_mask.tolist() == live.prompt_mask.tolist()
+    assert resumed.draw_index == live.draw_index == 4
+    assert processed(resumed) == processed(live)
+
+
+def _request_with_outputs(outputs: list[int], **params) -> Request:
+    request = Request("r", [7, 8], SamplingParams(**params), eos_token_id=EOS)
+    for token in outputs:
+        request.append_output_token_ids(token)
+    return request
+
+
+def test_check_stop_ignores_eos_and_stop_ids_before_min_tokens():
+    params = {"max_tokens": 8, "min_tokens": 3, "stop_token_ids": [4]}
+    assert not check_stop(_request_with_outputs([EOS], **params), max_model_len=100)
+    assert not check_stop(_request_with_outputs([1, 4], **params), max_model_len=100)
+    stopped = _request_with_outputs([1, 2, EOS], **params)
+    assert check_stop(stopped, max_model_len=100)
+    assert stopped.status == RequestStatus.FINISHED_STOPPED
+    by_stop_id = _request_with_outputs([1, 2, 4], **params)
+    assert check_stop(by_stop_id, max_model_len=100) and by_stop_id.stop_reason == 4
+
+
+def test_check_stop_length_limits_still_apply_before_min_tokens():
+    capped = _request_with_outputs([1, 2], max_tokens=2, min_tokens=2)
+    assert check_stop(capped, max_model_len=100)
+    assert capped.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    too_long = _request_with_outputs([1], max_tokens=8, min_tokens=5)  # 2 prompt + 1 output tokens
+    assert check_stop(too_long, max_model_len=3)
+    assert too_long.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 def test_a_batch_of_different_params_equals_each_row_alone():

@@ -36,7 +36,9 @@ def draw_seed(seed: int, index: int) -> int:
 
 
 def uses_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    return (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    )
 
 
 @dataclass
@@ -68,7 +70,9 @@ class SamplingState:
         ``output_token_ids`` generated here so far (non-empty after a preemption)."""
         state = cls(params, eos_token_id, num_generated=len(output_token_ids))
         if uses_penalties(params):
-            split = len(prompt_token_ids) - params.num_prior_output_tokens
+            # Clamped: a caller that did not check num_prior_output_tokens < len(prompt) gets
+            # "all of the prompt is prior output", not a slice from the wrong end.
+            split = max(0, len(prompt_token_ids) - params.num_prior_output_tokens)
             state.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
             state.prompt_mask[torch.tensor(prompt_token_ids[:split], dtype=torch.long)] = True
             state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
