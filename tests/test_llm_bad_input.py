@@ -60,6 +60,12 @@ def test_stop_token_outside_vocab_is_rejected(tiny_llm):
     _assert_no_leak(tiny_llm)
 
 
+def test_prior_outputs_covering_the_whole_prompt_are_rejected(tiny_llm):
+    with pytest.raises(ValueError, match="num_prior_output_tokens"):
+        tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, num_prior_output_tokens=3))
+    _assert_no_leak(tiny_llm)
+
+
 def test_one_bad_prompt_in_a_batch_queues_nothing(tiny_llm):
     with pytest.raises(ValueError, match="prompt_token_ids"):
         tiny_llm.generate(["fine prompt", ""], SamplingParams(max_tokens=4))

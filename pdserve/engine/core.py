@@ -78,7 +78,12 @@ class EngineCore:
             raise ValueError("request_id must be a non-empty string")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        validate_prompt(request.prompt_token_ids, self.scheduler_config.max_model_len, self.vocab_size)
+        validate_prompt(
+            request.prompt_token_ids,
+            self.scheduler_config.max_model_len,
+            self.vocab_size,
+            request.sampling_params.num_prior_output_tokens,
+        )
         request.sampling_params.validate(self.vocab_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -113,10 +113,17 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int | None) -> None:
-    """Raise ValueError naming ``prompt_token_ids`` for an empty, too long or out-of-vocab prompt."""
+def validate_prompt(
+    prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int | None, num_prior_output_tokens: int = 0
+) -> None:
+    """Raise ValueError naming the field for an empty, too long or out-of-vocab prompt, or one
+    with no prompt proper before its ``num_prior_output_tokens`` earlier outputs."""
     if len(prompt_token_ids) == 0:
         raise ValueError("prompt_token_ids: the prompt is empty")
+    if num_prior_output_tokens >= len(prompt_token_ids):
+        raise ValueError(
+            f"num_prior_output_tokens: {num_prior_output_tokens} leaves no prompt in {len(prompt_token_ids)} tokens"
+        )
     if len(prompt_token_ids) >= max_model_len:
         raise ValueError(
             f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens, which leaves no room "

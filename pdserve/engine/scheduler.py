@@ -26,6 +26,8 @@ differs on purpose:
   request in WAITING_FOR_REMOTE_KVS with nothing to wake it.
 - A running request rolled back over invalid blocks is sent to the runner as a new request
   (its full block table and tokens) so the runner's copy drops the discarded token too.
+- ``check_stop`` looks at EOS and the stop ids before the length limits (newer vLLM checks the
+  length first): a request whose last allowed token is EOS finishes "stop", not "length".
 - Invalid blocks of a request that already finished and is held for a remote reader (a prefill
   engine's lease) are only taken out of the prefix cache; the reader's own validation decides.
 """

@@ -51,12 +51,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             sampling = sampling_from_proto(request.sampling, request.num_prior_output_tokens)
             sampling.validate(self.vocab_size)
-            validate_prompt(prompt, self.max_model_len, self.vocab_size)
-            if sampling.num_prior_output_tokens >= len(prompt):
-                raise ValueError(
-                    f"num_prior_output_tokens: {sampling.num_prior_output_tokens} leaves no prompt "
-                    f"in {len(prompt)} tokens"
-                )
+            validate_prompt(prompt, self.max_model_len, self.vocab_size, sampling.num_prior_output_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.core.has_stream(request_id):
