@@ -34,6 +34,8 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 # gRPC refuses larger messages itself (RESOURCE_EXHAUSTED); a prompt is far smaller than this.
 MAX_MESSAGE_BYTES = 16 << 20
 SHUTDOWN_GRACE_S = 5.0
+# SIGTERM waits this long at most for running requests and leases (default lease: 30 s).
+DEFAULT_DRAIN_TIMEOUT_S = 45.0
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -44,8 +46,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.metrics = metrics
         self.vocab_size = int(core.info["vocab_size"])
         self.max_model_len = int(core.info["max_model_len"])
+        self.draining = False  # SIGTERM: refuse new requests, finish the running ones
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            # The router marks this engine down and sends the request elsewhere.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} engine {self.address} is draining")
         request_id = request.request_id or f"eng-{uuid.uuid4().hex}"
         prompt = list(request.prompt_token_ids)
         try:
@@ -142,7 +148,49 @@ async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any, metrics
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def serve_engine(config: EngineConfig, role: str, host: str, port: int, metrics_port: int | None) -> None:
+async def drain(
+    core: AsyncEngineCoreClient,
+    servicer: EngineServicer,
+    health_servicer: Any,
+    timeout_s: float,
+    cut_short: asyncio.Event,
+) -> None:
+    """Leave the rotation at once (health NOT_SERVING, new requests UNAVAILABLE), then wait
+    until nothing runs, waits or is held for a remote reader (a prefill's leases end when
+    decode has pulled the blocks, or expire), for at most ``timeout_s``."""
+    servicer.draining = True
+    for service in ("", ENGINE_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    logger.info("draining (at most %.0fs): NOT_SERVING, new requests refused", timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not core.dead and not cut_short.is_set():
+        try:
+            stats = await core.stats()
+        except (EngineCoreError, TimeoutError):
+            break
+        busy = {
+            key: int(stats.get(key, 0))
+            for key in ("num_running_reqs", "num_waiting_reqs", "num_waiting_for_remote_kvs", "num_held_blocks")
+        }
+        if not any(busy.values()):
+            logger.info("drained: nothing running or held")
+            return
+        if loop.time() > deadline:
+            logger.warning("drain timed out after %.0fs with %s", timeout_s, busy)
+            return
+        await asyncio.sleep(0.1)
+    logger.warning("drain cut short")
+
+
+async def serve_engine(
+    config: EngineConfig,
+    role: str,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+) -> None:
     core = AsyncEngineCoreClient(config)
     try:
         await core.start()
@@ -160,7 +208,8 @@ async def serve_engine(config: EngineConfig, role: str, host: str, port: int, me
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(core, role, address, metrics), server)
+    servicer = EngineServicer(core, role, address, metrics)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -180,9 +229,8 @@ async def serve_engine(config: EngineConfig, role: str, host: str, port: int, me
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(_watch_core(core, health_servicer, metrics))
     await stop.wait()
-    logger.info("shutting down (grace %.0fs)", SHUTDOWN_GRACE_S)
-    for service in ("", ENGINE_SERVICE):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    stop.clear()  # a second SIGTERM / Ctrl-C cuts the drain short
+    await drain(core, servicer, health_servicer, drain_timeout_s, stop)
     await server.stop(SHUTDOWN_GRACE_S)
     watcher.cancel()
     await core.close()
@@ -213,6 +261,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ms", type=int, default=30_000)
     parser.add_argument("--transfer-timeout-s", type=float, default=10.0)
     parser.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, seconds to finish running requests and leases before exiting",
+    )
     parser.add_argument("--cluster-token", default=None, help="HMAC key for the KV side channel (or PDSERVE_CLUSTER_TOKEN)")
 
 
@@ -256,7 +310,7 @@ def run_engine_server(args: argparse.Namespace, role: str, kv_role: str | None) 
         print(f"error: {exc}")
         return 2
     try:
-        asyncio.run(serve_engine(config, role, args.host, args.port, args.metrics_port))
+        asyncio.run(serve_engine(config, role, args.host, args.port, args.metrics_port, args.drain_timeout))
     except EngineCoreError as exc:
         logger.error("%s engine failed to start: %s", role, exc)
         return 1

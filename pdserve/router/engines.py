@@ -1,8 +1,13 @@
 """The router's view of its engines: a gRPC stub each, health, and in-flight load.
 
 A background task health-checks every engine once a second (the standard gRPC health
-service): an engine that fails leaves the rotation at once and rejoins when it answers
-SERVING again. Engines are also marked down the moment a call to them fails with UNAVAILABLE.
+service): an engine that fails, or reports NOT_SERVING because it is draining, leaves the
+rotation at once and rejoins when it answers SERVING again. Engines are also marked down the
+moment a call to them fails with UNAVAILABLE.
+
+Engines named by ``dns:NAME:PORT`` (``discovery.py``) are looked up again every
+``discovery_interval`` seconds: a new address joins the pool (in rotation once its health check
+says SERVING); a vanished one gets no new request and is dropped once its requests have ended.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.router.discovery import EngineSource, Resolver, grpc_address
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
+DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 # How many prompt-block hashes the router remembers per engine for prefix-aware routing.
 MAX_REMEMBERED_BLOCKS = 50_000
 
@@ -36,6 +43,7 @@ class EngineHandle:
     healthy: bool = False
     info: engine_pb2.EngineInfo | None = None
     in_flight: int = 0  # requests the router has running on this engine
+    retired: bool = False  # its DNS name no longer lists it: no new requests, dropped when idle
     # Recently sent prompt blocks (an LRU of chained block hashes): what its prefix cache may hold.
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
@@ -61,29 +69,87 @@ class EngineHandle:
 
 
 class EnginePool:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        options = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL_S,
+        dns_server: str | None = None,
+    ) -> None:
+        self.sources = [
+            EngineSource.parse(role, spec)
+            for role, specs in (("prefill", prefill), ("decode", decode))
+            for spec in specs
+        ]
+        self.discovery_interval = discovery_interval
+        self.resolver = Resolver(dns_server) if any(s.dns for s in self.sources) else None
         self.engines: list[EngineHandle] = []
-        for role, addresses in (("prefill", prefill), ("decode", decode)):
-            for address in addresses:
-                channel = grpc.aio.insecure_channel(address, options=options)
-                self.engines.append(
-                    EngineHandle(
-                        role=role,
-                        address=address,
-                        channel=channel,
-                        stub=engine_pb2_grpc.EngineStub(channel),
-                        health=health_pb2_grpc.HealthStub(channel),
-                    )
-                )
-        self._task: asyncio.Task | None = None
+        for source in self.sources:
+            if not source.dns:
+                self._add(source.role, source.static_address())
+        self._tasks: list[asyncio.Task] = []
+
+    def _add(self, role: str, address: str) -> EngineHandle:
+        options = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+        channel = grpc.aio.insecure_channel(address, options=options)
+        engine = EngineHandle(
+            role=role,
+            address=address,
+            channel=channel,
+            stub=engine_pb2_grpc.EngineStub(channel),
+            health=health_pb2_grpc.HealthStub(channel),
+        )
+        self.engines.append(engine)
+        return engine
 
     def of_role(self, role: str, healthy_only: bool = True) -> list[EngineHandle]:
-        return [e for e in self.engines if e.role == role and (e.healthy or not healthy_only)]
+        return [
+            e for e in self.engines if e.role == role and not e.retired and (e.healthy or not healthy_only)
+        ]
+
+    async def discover(self) -> None:
+        """Look every ``dns:`` entry up once and bring the pool in line with the answers."""
+        if self.resolver is None:
+            return
+        wanted: dict[str, set[str]] = {}  # {role: addresses}
+        for source in self.sources:
+            if not source.dns:
+                continue
+            found = await self.resolver.addresses(source.host)
+            if found is None:  # the lookup failed: keep what this role has
+                wanted.setdefault(source.role, set()).update(
+                    e.address for e in self.engines if e.role == source.role and not e.retired
+                )
+                continue
+            wanted.setdefault(source.role, set()).update(grpc_address(ip, source.port) for ip in found)
+        static = {(s.role, s.static_address()) for s in self.sources if not s.dns}
+        for role, addresses in wanted.items():
+            known = {e.address: e for e in self.engines if e.role == role}
+            new = [self._add(role, address) for address in sorted(addresses - known.keys())]
+            for engine in new:
+                logger.info("%s engine %s discovered", role, engine.address)
+            await asyncio.gather(*(self.check(engine) for engine in new))  # in rotation at once if SERVING
+            for address, engine in known.items():
+                listed = address in addresses or (role, address) in static
+                if engine.retired and listed:
+                    logger.info("%s engine %s is listed again", role, address)
+                    engine.retired = False
+                elif not engine.retired and not listed:
+                    logger.info("%s engine %s is no longer listed: no new requests", role, address)
+                    engine.retired = True
+        await self._drop_retired()
+
+    async def _drop_retired(self) -> None:
+        for engine in [e for e in self.engines if e.retired and e.in_flight == 0]:
+            logger.info("%s engine %s dropped from the pool", engine.role, engine.address)
+            self.engines.remove(engine)
+            await engine.channel.close()
 
     async def check(self, engine: EngineHandle) -> None:
         try:
-            reply = await engine.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
+            reply = await engine.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S
+            )
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as exc:
             serving, reason = False, exc.code().name
@@ -110,13 +176,23 @@ class EnginePool:
                 await self.check_all()
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
+    async def _watch_dns(self) -> None:
+        while True:
+            try:
+                await self.discover()
+            except Exception:
+                logger.exception("engine discovery failed; trying again")
+            await asyncio.sleep(self.discovery_interval)
+
     def start(self) -> None:
-        self._task = asyncio.create_task(self._watch(), name="engine-health")
+        self._tasks = [asyncio.create_task(self._watch(), name="engine-health")]
+        if self.resolver is not None:
+            self._tasks.append(asyncio.create_task(self._watch_dns(), name="engine-discovery"))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         for engine in self.engines:
             await engine.channel.close()

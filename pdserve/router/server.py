@@ -8,12 +8,13 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.router.engines import EnginePool
+from pdserve.router.engines import DEFAULT_DISCOVERY_INTERVAL_S, EnginePool
 from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import POLICIES, RoutingPolicy
@@ -30,9 +31,30 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--metrics-port", type=int, default=None)
-    parser.add_argument("--prefill", default="", help="comma-separated prefill engine addresses")
-    parser.add_argument("--decode", required=True, help="comma-separated decode engine addresses")
-    parser.add_argument("--model", default=None, help="the engines' model, for its tokenizer (default: bundled)")
+    parser.add_argument(
+        "--prefill",
+        default="",
+        help="comma-separated prefill engines: HOST:PORT, or dns:NAME:PORT for every address of NAME",
+    )
+    parser.add_argument(
+        "--decode",
+        required=True,
+        help="comma-separated decode engines: HOST:PORT, or dns:NAME:PORT for every address of NAME",
+    )
+    parser.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_DISCOVERY_INTERVAL_S,
+        help="seconds between DNS lookups of dns: entries",
+    )
+    parser.add_argument(
+        "--dns-server",
+        default=None,
+        help="HOST:PORT of the DNS server for dns: entries (default: the system's)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the engines' model, for its tokenizer (default: bundled)"
+    )
     parser.add_argument("--policy", default="prefix", choices=POLICIES)
     parser.add_argument(
         "--disagg-min-tokens",
@@ -40,15 +62,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="prompts with fewer uncached tokens than this skip prefill and run on decode (0: always P/D)",
     )
-    parser.add_argument("--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED (HTTP 429)")
+    parser.add_argument(
+        "--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED (HTTP 429)"
+    )
     parser.add_argument(
         "--http-port", type=int, default=None, help="serve the OpenAI-compatible API on http://HOST:PORT/v1"
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="the model id of the HTTP API (default: from the model file)"
+        "--served-model-name",
+        default=None,
+        help="the model id of the HTTP API (default: from the model file)",
     )
     parser.add_argument(
-        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger HTTP bodies get 413"
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger HTTP bodies get 413",
     )
 
 
@@ -64,7 +93,9 @@ async def serve_router(args: argparse.Namespace) -> None:
     from pdserve.engine.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    pool = EnginePool(_addresses(args.prefill), _addresses(args.decode))
+    pool = EnginePool(
+        _addresses(args.prefill), _addresses(args.decode), args.discovery_interval, args.dns_server
+    )
     metrics = RouterMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.host, args.metrics_port)
@@ -120,5 +151,9 @@ def _addresses(value: str) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    asyncio.run(serve_router(args))
+    try:
+        asyncio.run(serve_router(args))
+    except ValueError as exc:  # a malformed --prefill / --decode / --dns-server entry
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -1,0 +1,298 @@
+"""Engines that come and go: ``dns:NAME:PORT`` discovery and draining on SIGTERM, end to end.
+
+A real DNS server (dnslib) on a loopback port plays the Kubernetes headless Services; the test
+changes its answers. Each engine is a real ``pdserve prefill|decode`` process on its own
+loopback address (127.0.0.x, one port for all, as pods share a container port), the router a
+real ``pdserve router`` pointed at ``dns:`` names. Under a steady stream of requests the test
+scales decode from 1 to 2, then rolls one decode and one prefill engine (new address in the
+answer, SIGTERM to the old one, which must drain and exit 0). No client may see a failure, and
+every engine must end with no KV block in use or held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from dnslib import QTYPE, RCODE, RR, A
+from dnslib.server import BaseResolver, DNSServer
+
+from pdserve.client import Client
+from pdserve.cluster import check_health, pick_free_ports
+from pdserve.router.discovery import EngineSource
+from pdserve.v1 import common_pb2, engine_pb2_grpc
+from tests.cluster_helpers import TINY_ENGINE_ARGS
+
+ZONE = "pdserve.test"
+PREFILL, DECODE = f"prefill.{ZONE}", f"decode.{ZONE}"
+JOIN_WITHIN_S = 10.0
+
+
+class Zone(BaseResolver):
+    """A-record answers the test edits: {name: [ip, ...]}; unknown names are NXDOMAIN."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[str]] = {}
+        self.lock = threading.Lock()
+
+    def set(self, name: str, ips: list[str]) -> None:
+        with self.lock:
+            self.records[name] = list(ips)
+
+    def resolve(self, request, handler):
+        reply = request.reply()
+        name = str(request.q.qname).rstrip(".")
+        with self.lock:
+            ips = self.records.get(name)
+        if ips is None:
+            reply.header.rcode = RCODE.NXDOMAIN
+        elif request.q.qtype == QTYPE.A:
+            for ip in ips:
+                reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(ip), ttl=0))
+        return reply
+
+
+def _port_free_on(ips: list[str]) -> int:
+    """One port that is free on every address (engines share it, each on its own address)."""
+    for _ in range(50):
+        (port,) = pick_free_ports("127.0.0.1", 1)
+        try:
+            with contextlib.ExitStack() as stack:
+                for ip in ips:
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((ip, port))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no port free on every loopback address")
+
+
+class Processes:
+    def __init__(self, model: str, port: int, log_dir) -> None:
+        self.model = model
+        self.port = port
+        self.log_dir = log_dir
+        self.env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": secrets.token_hex(16), "OMP_NUM_THREADS": "1"}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *argv], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
+        self.procs[name] = proc
+        return proc
+
+    def engine(self, role: str, ip: str) -> str:
+        address = f"{ip}:{self.port}"
+        self.start(
+            f"{role}-{ip}",
+            [role, "--host", ip, "--port", str(self.port), "--model", self.model, "--kv-transport", "tcp",
+             "--lease-ms", "5000", *TINY_ENGINE_ARGS],
+        )  # fmt: skip
+        return address
+
+    def wait_healthy(self, *addresses: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(addresses)
+        while pending and time.monotonic() < deadline:
+            pending = {a for a in pending if not check_health(a, timeout_s=0.5)}
+            time.sleep(0.2)
+        assert not pending, f"not healthy: {pending} ({self.logs()})"
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}:\n{p.read_text(errors='replace')[-1500:]}" for p in self.log_dir.glob("*.log")
+        )
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Traffic:
+    """Two clients sending requests back to back until stopped; every failure is kept."""
+
+    def __init__(self, router: str, tokenizer) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.done: list[tuple[float, str, str]] = []  # (time, prefill engine, decode engine)
+        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(2)]
+
+    def _loop(self, worker: int) -> None:
+        with Client(self.router) as client:
+            k = 0
+            while not self.stop.is_set():
+                k += 1
+                prompt = self.tokenizer.encode(f"Request {worker}-{k}: the river Seine flows through Paris. " * 2)
+                try:
+                    out = client.generate(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True, timeout=60)
+                    assert len(out.token_ids) == 6, out
+                    self.done.append((time.monotonic(), out.metrics["prefill_engine"], out.metrics["decode_engine"]))
+                except (grpc.RpcError, AssertionError) as exc:
+                    self.failures.append(f"{worker}-{k}: {exc}")
+
+    def __enter__(self) -> Traffic:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(90)
+
+    def wait_for(self, role: str, address: str, since: float, timeout_s: float) -> float:
+        """Seconds from ``since`` until a request finished on ``address``."""
+        deadline = since + timeout_s
+        column = 1 if role == "prefill" else 2
+        while time.monotonic() < deadline:
+            hits = [t for t, *engines in self.done if t >= since and engines[column - 1] == address]
+            if hits:
+                return hits[0] - since
+            time.sleep(0.1)
+        raise AssertionError(f"no request reached {role} {address} within {timeout_s:.0f}s")
+
+
+def _engine_idle(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stats = engine_pb2_grpc.EngineStub(channel).Stats(common_pb2.StatsRequest(), timeout=5)
+    return stats.kv_usage == 0 and stats.num_held_blocks == 0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_engine_sources_parse_static_and_dns_entries():
+    assert EngineSource.parse("decode", "10.0.0.7:50051") == EngineSource("decode", "10.0.0.7", 50051, False)
+    assert EngineSource.parse("decode", "dns:pdserve-decode:50051") == EngineSource(
+        "decode", "pdserve-decode", 50051, True
+    )
+    assert EngineSource.parse("prefill", "[::1]:9000").static_address() == "[::1]:9000"
+    for bad in ("pdserve-decode", "dns:pdserve-decode", "dns::50051", "host:0", "host:port"):
+        with pytest.raises(ValueError, match="--decode entry"):
+            EngineSource.parse("decode", bad)
+
+
+def test_scale_and_rolling_restarts_through_dns_lose_no_request(tiny_model_dir, tiny_llm, tmp_path):
+    ips = [f"127.0.0.{i}" for i in range(2, 7)]
+    zone = Zone()
+    zone.set(PREFILL, [ips[0]])
+    zone.set(DECODE, [ips[1]])
+    (dns_port,) = pick_free_ports("127.0.0.1", 1)
+    dns_server = DNSServer(zone, port=dns_port, address="127.0.0.1")
+    dns_server.start_thread()
+    procs = Processes(tiny_model_dir, _port_free_on(ips), tmp_path)
+    try:
+        prefill_old, decode_old = procs.engine("prefill", ips[0]), procs.engine("decode", ips[1])
+        decode_new = procs.engine("decode", ips[2])  # up, but not in the answer yet
+        procs.wait_healthy(prefill_old, decode_old, decode_new)
+        (router_port,) = pick_free_ports("127.0.0.1", 1)
+        router = f"127.0.0.1:{router_port}"
+        procs.start(
+            "router",
+            ["router", "--port", str(router_port), "--model", tiny_model_dir,
+             "--prefill", f"dns:{PREFILL}:{procs.port}", "--decode", f"dns:{DECODE}:{procs.port}",
+             "--dns-server", f"127.0.0.1:{dns_port}", "--discovery-interval", "0.5",
+             "--policy", "round_robin", "--disagg-min-tokens", "0"],
+        )  # fmt: skip
+        procs.wait_healthy(router)
+
+        with Traffic(router, tiny_llm.tokenizer) as traffic:
+            traffic.wait_for("decode", decode_old, time.monotonic(), 30)
+
+            # Scale decode 1 -> 2.
+            scaled = time.monotonic()
+            zone.set(DECODE, [ips[1], ips[2]])
+            joined_s = traffic.wait_for("decode", decode_new, scaled, JOIN_WITHIN_S)
+
+            # Roll a decode engine: its replacement enters the answer, it leaves and gets SIGTERM.
+            decode_repl = procs.engine("decode", ips[3])
+            procs.wait_healthy(decode_repl)
+            rolled = time.monotonic()
+            zone.set(DECODE, [ips[2], ips[3]])
+            procs.procs[f"decode-{ips[1]}"].send_signal(signal.SIGTERM)
+            assert procs.procs[f"decode-{ips[1]}"].wait(60) == 0, procs.logs()
+            traffic.wait_for("decode", decode_repl, rolled, JOIN_WITHIN_S)
+
+            # Roll the prefill engine the same way.
+            prefill_repl = procs.engine("prefill", ips[4])
+            procs.wait_healthy(prefill_repl)
+            rolled = time.monotonic()
+            zone.set(PREFILL, [ips[4]])
+            procs.procs[f"prefill-{ips[0]}"].send_signal(signal.SIGTERM)
+            assert procs.procs[f"prefill-{ips[0]}"].wait(60) == 0, procs.logs()
+            traffic.wait_for("prefill", prefill_repl, rolled, JOIN_WITHIN_S)
+            time.sleep(1.0)
+
+        assert traffic.failures == [], traffic.failures[:5]
+        assert len(traffic.done) > 20
+        assert joined_s < JOIN_WITHIN_S
+        # After the old engines left, nothing was sent to them.
+        for t, prefill, decode in traffic.done:
+            if t > rolled + 2.0:
+                assert prefill == prefill_repl and decode in (decode_new, decode_repl)
+        for address in (decode_new, decode_repl, prefill_repl):
+            deadline = time.monotonic() + 20
+            while not _engine_idle(address) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _engine_idle(address), address
+        with Client(router) as client:
+            assert sorted(s["address"] for s in client.stats()) == sorted([decode_new, decode_repl, prefill_repl])
+    finally:
+        procs.stop_all()
+        dns_server.stop()
+
+
+def test_sigterm_drains_a_prefill_engine_until_decode_has_pulled_its_lease(tiny_model_dir, tiny_llm):
+    """SIGTERM on a prefill engine holding a lease: NOT_SERVING at once, new requests refused
+    with UNAVAILABLE, the process stays until decode has pulled the blocks, then exits 0; the
+    request in flight completes with the colocated tokens."""
+    from pdserve.cluster import LocalCluster
+    from pdserve.engine.request import SamplingParams
+    from pdserve.v1 import engine_pb2
+    from tests.cluster_helpers import frozen, next_within
+
+    prompt = tiny_llm.tokenizer.encode("Draining engines finish what they hold. " * 4)
+    expected = tiny_llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    with (
+        LocalCluster(
+            1, 1, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS,
+            router_args=["--disagg-min-tokens", "0"],
+        ) as cluster,
+        Client(cluster.router_address) as client,
+    ):  # fmt: skip
+        prefill, decode = cluster.procs["prefill-0"], cluster.procs["decode-0"]
+        with frozen(decode.pid):
+            stream = client.stream(prompt_token_ids=prompt, max_tokens=8, ignore_eos=True, timeout=60)
+            first = next_within(stream, 30)  # from prefill: it now holds the prompt's blocks
+            prefill.popen.send_signal(signal.SIGTERM)
+            time.sleep(1.5)
+            assert prefill.alive, "exited while decode had not pulled its lease"
+            assert not check_health(prefill.address)
+            with grpc.insecure_channel(prefill.address) as channel:
+                refused = engine_pb2_grpc.EngineStub(channel).Generate(
+                    engine_pb2.EngineGenerateRequest(request_id="late", prompt_token_ids=prompt), timeout=10
+                )
+                with pytest.raises(grpc.RpcError) as info:
+                    list(refused)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+        tokens = list(first.token_ids) + [t for delta in stream for t in delta.token_ids]
+        assert tokens == expected
+        assert prefill.popen.wait(30) == 0
+        assert decode.alive
