@@ -194,11 +194,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id = live.request_id
         finished = counted = False
         try:
-            async for response in self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S):
-                finished = bool(response.finish_reason)
-                yield response
-                if finished:
-                    break
+            # Closed at once when we stop early: each stage's in-flight count drops right away.
+            async with contextlib.aclosing(self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S)) as responses:
+                async for response in responses:
+                    finished = bool(response.finish_reason)
+                    yield response
+                    if finished:
+                        break
         except _Aborted:
             logger.info("%s: aborted by the client", request_id)
             self.metrics.requests.labels(finish_reason="abort").inc()
