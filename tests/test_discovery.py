@@ -1,9 +1,10 @@
 """Engines that come and go: ``dns:NAME:PORT`` discovery and draining on SIGTERM, end to end.
 
-A real DNS server (dnslib) on a loopback port plays the Kubernetes headless Services; the test
-changes its answers. Each engine is a real ``pdserve prefill|decode`` process on its own
-loopback address (127.0.0.x, one port for all, as pods share a container port), the router a
-real ``pdserve router`` pointed at ``dns:`` names. Under a steady stream of requests the test
+The processes run the command lines of the Kubernetes manifests (``kubectl kustomize
+deploy/kubernetes``), as tests/test_compose.py does for compose: each engine pod becomes a
+process on its own loopback address (127.0.0.x: the pods' container ports stay as written), the
+router keeps its ``dns:pdserve-prefill:50051`` / ``dns:pdserve-decode:50051`` entries, and a real
+DNS server (dnslib) on a loopback port plays the headless Services; the test changes its answers. Under a steady stream of requests the test
 scales decode from 1 to 2, then rolls one decode and one prefill engine (new address in the
 answer, SIGTERM to the old one, which must drain and exit 0). No client may see a failure, and
 every engine must end with no KV block in use or held.
@@ -11,7 +12,6 @@ every engine must end with no KV block in use or held.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import signal
@@ -30,10 +30,11 @@ from pdserve.client import Client
 from pdserve.cluster import check_health, pick_free_ports
 from pdserve.router.discovery import EngineSource
 from pdserve.v1 import common_pb2, engine_pb2_grpc
+from tests import k8s_manifests
 from tests.cluster_helpers import TINY_ENGINE_ARGS
 
-ZONE = "pdserve.test"
-PREFILL, DECODE = f"prefill.{ZONE}", f"decode.{ZONE}"
+PREFILL, DECODE = "pdserve-prefill", "pdserve-decode"  # the headless Services' names
+ENGINE_PORT = 50051  # every engine pod's gRPC port in the manifests
 JOIN_WITHIN_S = 10.0
 
 
@@ -61,26 +62,14 @@ class Zone(BaseResolver):
         return reply
 
 
-def _port_free_on(ips: list[str]) -> int:
-    """One port that is free on every address (engines share it, each on its own address)."""
-    for _ in range(50):
-        (port,) = pick_free_ports("127.0.0.1", 1)
-        try:
-            with contextlib.ExitStack() as stack:
-                for ip in ips:
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((ip, port))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no port free on every loopback address")
-
-
 class Processes:
-    def __init__(self, model: str, port: int, log_dir) -> None:
+    """The manifests' containers as local processes (model and sizes swapped for the tiny ones)."""
+
+    def __init__(self, model: str, log_dir) -> None:
         self.model = model
-        self.port = port
+        self.port = ENGINE_PORT
         self.log_dir = log_dir
+        self.manifests = k8s_manifests.build()
         self.env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": secrets.token_hex(16), "OMP_NUM_THREADS": "1"}
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -93,13 +82,29 @@ class Processes:
         return proc
 
     def engine(self, role: str, ip: str) -> str:
-        address = f"{ip}:{self.port}"
-        self.start(
-            f"{role}-{ip}",
-            [role, "--host", ip, "--port", str(self.port), "--model", self.model, "--kv-transport", "tcp",
-             "--lease-ms", "5000", *TINY_ENGINE_ARGS],
+        """A pod of the ``pdserve-ROLE`` Deployment on address ``ip``."""
+        argv = k8s_manifests.container_argv(self.manifests, f"pdserve-{role}")
+        argv = k8s_manifests.substitute(
+            argv, {"--host": ip, "POD_IP": ip, "POD_NAME": f"pdserve-{role}-{ip}", "--num-blocks": "256"}
+        )
+        self.start(f"{role}-{ip}", [*argv, "--model", self.model, *TINY_ENGINE_ARGS])
+        return f"{ip}:{ENGINE_PORT}"
+
+    def router(self, dns_port: int) -> str:
+        """The ``pdserve-router`` Deployment's container, its ports moved to free ones."""
+        port, http_port, metrics_port = pick_free_ports("127.0.0.1", 3)
+        argv = k8s_manifests.container_argv(self.manifests, "pdserve-router")
+        assert f"--prefill=dns:{PREFILL}:{ENGINE_PORT}" in argv and f"--decode=dns:{DECODE}:{ENGINE_PORT}" in argv
+        argv = k8s_manifests.substitute(
+            argv,
+            {
+                "--host": "127.0.0.1", "--port": str(port), "--http-port": str(http_port),
+                "--metrics-port": str(metrics_port), "--discovery-interval": "0.5", "--policy": "round_robin",
+            },
         )  # fmt: skip
-        return address
+        extra = ["--model", self.model, "--dns-server", f"127.0.0.1:{dns_port}", "--disagg-min-tokens", "0"]
+        self.start("router", [*argv, *extra])
+        return f"127.0.0.1:{port}"
 
     def wait_healthy(self, *addresses: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -189,7 +194,7 @@ def test_engine_sources_parse_static_and_dns_entries():
             EngineSource.parse("decode", bad)
 
 
-def test_scale_and_rolling_restarts_through_dns_lose_no_request(tiny_model_dir, tiny_llm, tmp_path):
+def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(tiny_model_dir, tiny_llm, tmp_path):
     ips = [f"127.0.0.{i}" for i in range(2, 7)]
     zone = Zone()
     zone.set(PREFILL, [ips[0]])
@@ -197,20 +202,17 @@ def test_scale_and_rolling_restarts_through_dns_lose_no_request(tiny_model_dir, 
     (dns_port,) = pick_free_ports("127.0.0.1", 1)
     dns_server = DNSServer(zone, port=dns_port, address="127.0.0.1")
     dns_server.start_thread()
-    procs = Processes(tiny_model_dir, _port_free_on(ips), tmp_path)
+    procs = Processes(tiny_model_dir, tmp_path)
+    for ip in ips:
+        for port in (ENGINE_PORT, 9400, 5600):  # the pods' ports, on each pod's address
+            with socket.socket() as sock:
+                if sock.connect_ex((ip, port)) == 0:
+                    pytest.skip(f"{ip}:{port} is taken on this machine")
     try:
         prefill_old, decode_old = procs.engine("prefill", ips[0]), procs.engine("decode", ips[1])
         decode_new = procs.engine("decode", ips[2])  # up, but not in the answer yet
         procs.wait_healthy(prefill_old, decode_old, decode_new)
-        (router_port,) = pick_free_ports("127.0.0.1", 1)
-        router = f"127.0.0.1:{router_port}"
-        procs.start(
-            "router",
-            ["router", "--port", str(router_port), "--model", tiny_model_dir,
-             "--prefill", f"dns:{PREFILL}:{procs.port}", "--decode", f"dns:{DECODE}:{procs.port}",
-             "--dns-server", f"127.0.0.1:{dns_port}", "--discovery-interval", "0.5",
-             "--policy", "round_robin", "--disagg-min-tokens", "0"],
-        )  # fmt: skip
+        router = procs.router(dns_port)
         procs.wait_healthy(router)
 
         with Traffic(router, tiny_llm.tokenizer) as traffic:
