@@ -430,7 +430,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _abort_on_engines(self, live: LiveRequest) -> None:
         for engine in {e.address: e for e in live.engines}.values():
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            # UsageError: the engine left the pool (its channel is closed) since the request used it.
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
                 await engine.stub.Abort(common_pb2.AbortRequest(request_id=live.request_id), timeout=2.0)
         if live.engines:
             logger.info("%s: aborted on %s", live.request_id, [e.address for e in live.engines])
