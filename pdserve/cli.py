@@ -72,7 +72,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "transfer", "kernels", "serve")
+BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover")
 
 
 def _bench(what: str, rest: list[str]) -> int:

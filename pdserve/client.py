@@ -139,5 +139,10 @@ class Client:
 
 
 def _as_dict(message: Any) -> dict[str, Any]:
-    """A flat message as a dict of plain Python values (MessageToDict would stringify 64-bit ints)."""
-    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    """A flat message as a dict of plain Python values (MessageToDict would stringify 64-bit
+    ints); map fields (``timeline_ms``) become dicts."""
+    out = {}
+    for f in message.DESCRIPTOR.fields:
+        value = getattr(message, f.name)
+        out[f.name] = dict(value) if f.message_type is not None and f.message_type.GetOptions().map_entry else value
+    return out

@@ -69,6 +69,11 @@ class KVConnectorBase(ABC):
         """What the engine's front reports about this connector (addresses, transport)."""
         return {}
 
+    def take_request_timeline(self, request_id: str) -> dict[str, float]:
+        """``{event: unix time}`` of a finished load's transfer events (pull start and end, lease
+        released), for the request's timeline; called once, when the load is reported done."""
+        return {}
+
     # ---------------------------------------------------------------- worker side
 
     @abstractmethod

@@ -130,6 +130,7 @@ class PDConnector(KVConnectorBase):
         num_tokens = request.num_prompt_tokens  # the sampled first token has no KV yet
         held = block_ids[: -(-num_tokens // self.block_size)]
         self.leases.add(req_id, held)
+        request.mark("lease_registered")
         assert self.side_channel is not None, "register_kv_caches() was not called"
         return True, {
             "do_remote_prefill": True,
@@ -210,6 +211,9 @@ class PDConnector(KVConnectorBase):
             self._invalid_block_ids |= invalid
             self._loading -= done_recving
         return done_sending or None, done_recving or None
+
+    def take_request_timeline(self, request_id: str) -> dict[str, float]:
+        return self.worker.take_timeline(request_id) if self.worker is not None else {}
 
     def get_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

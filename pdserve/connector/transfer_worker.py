@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.connector.side_channel import SideChannelClient, SideChannelError
@@ -74,6 +74,8 @@ class LoadJob:
     started_at: float = 0.0
     deadline: float = 0.0
     next_renew_at: float = 0.0
+    # {event: unix time}: pull_start, pull_end, released (reported with the request's timeline).
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class TransferWorker:
         self._jobs: queue.Queue[LoadJob | _Release] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
+        self._timelines: dict[str, dict[str, float]] = {}  # {req_id: events}, until taken
         self._invalid: set[int] = set()
         self._last_error = ""
         self._counters = {"num_loads_ok": 0, "num_loads_failed": 0, "num_blocks_pulled": 0, "transfer_seconds": 0.0}
@@ -131,6 +134,11 @@ class TransferWorker:
             done, self._done = self._done, set()
             invalid, self._invalid = self._invalid, set()
         return done, invalid
+
+    def take_timeline(self, req_id: str) -> dict[str, float]:
+        """The transfer events of a load reported done by ``take_finished`` (once)."""
+        with self._lock:
+            return self._timelines.pop(req_id, {})
 
     def counters(self) -> dict[str, Any]:
         """Totals over every load this worker finished, and the last failure (for Stats)."""
@@ -183,6 +191,7 @@ class TransferWorker:
             job.deadline = time.monotonic() + self.transfer_timeout_s
             job.next_renew_at = time.monotonic() + self.lease_renew_s
             self._in_flight[job.req_id] = job
+            job.timeline["pull_start"] = time.time()
             self.transport.start_read(
                 job.req_id, job.remote.transport_key, job.remote_block_ids, job.local_block_ids
             )
@@ -244,6 +253,7 @@ class TransferWorker:
                 self._notify(job.remote, "renew", [job.remote_req_id])
 
     def _finish(self, job: LoadJob, ok: bool, error: str | None = None) -> None:
+        job.timeline["pull_end"] = time.time()
         if ok:
             # Read, then validate: the data is good only if prefill still held the blocks when
             # the read ended (an abort or an expired lease frees them for reuse meanwhile).
@@ -258,8 +268,10 @@ class TransferWorker:
             logger.debug("%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3)
         else:
             logger.warning("%s: KV pull from %s failed: %s", job.req_id, job.remote.engine_id, error)
+        job.timeline["released"] = time.time()
         with self._lock:
             self._done.add(job.req_id)
+            self._timelines[job.req_id] = job.timeline
             if ok:
                 self._counters["num_loads_ok"] += 1
                 self._counters["num_blocks_pulled"] += len(job.local_block_ids)

@@ -85,6 +85,8 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # {event: unix time} of the request's life-cycle events since its previous output.
+    timeline: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:

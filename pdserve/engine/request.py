@@ -161,6 +161,9 @@ class Request:
     num_preemptions: int = field(default=0, init=False)
     # Chained prefix-cache hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list = field(default_factory=list, init=False)
+    # {event: unix time} of life-cycle events not yet sent out with an output (the router
+    # assembles them into the request's timeline; see pdserve/engine/timeline.py).
+    timeline: dict[str, float] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -189,6 +192,19 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def mark(self, event: str, at: float | None = None) -> None:
+        """Record a life-cycle event once (the first time wins: a preempted request that is
+        scheduled again keeps its first ``scheduled``)."""
+        if event not in self.timeline:
+            self.timeline[event] = time.time() if at is None else at
+
+    def take_timeline(self) -> dict[str, float] | None:
+        """The events recorded since the last call (sent with the request's next output)."""
+        if not self.timeline:
+            return None
+        events, self.timeline = self.timeline, {}
+        return events
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

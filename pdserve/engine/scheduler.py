@@ -123,6 +123,7 @@ class Scheduler(SchedulerInterface):
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.mark("received")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -287,6 +288,7 @@ class Scheduler(SchedulerInterface):
                     request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens
                 )
             self.waiting.pop_request()
+            request.mark("admitted")
             if load_kv_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.pending_remote_tokens[request.request_id] = num_computed_tokens
@@ -299,6 +301,7 @@ class Scheduler(SchedulerInterface):
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             request.status = RequestStatus.RUNNING
+            request.mark("scheduled")
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
@@ -392,11 +395,14 @@ class Scheduler(SchedulerInterface):
             new_token_ids = list(sampled[index_of[req_id]]) if req_id in index_of else []
             stopped = False
             kv_transfer_params = None
+            if new_token_ids and request.num_output_tokens == 0:
+                request.mark("first_token")
             for count, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_ids(token_id)
                 if check_stop(request, self.max_model_len):
                     stopped = True
                     del new_token_ids[count:]
+                    request.mark("finished")
                     kv_transfer_params = self._free_request(request)
                     break
             if new_token_ids or kv_transfer_params:
@@ -408,6 +414,7 @@ class Scheduler(SchedulerInterface):
                         kv_transfer_params=kv_transfer_params,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        timeline=request.take_timeline(),
                     )
                 )
             if not stopped:
@@ -426,13 +433,17 @@ class Scheduler(SchedulerInterface):
 
     def _update_from_kv_xfer_finished(self, output: ModelRunnerOutput) -> None:
         for req_id in output.finished_recving or ():
+            # Taken whatever became of the request, so the connector keeps nothing behind.
+            events = self.connector.take_request_timeline(req_id) if self.connector is not None else {}
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            request.timeline.update(events)
             if request.is_finished():
                 # Aborted while its blocks were being written: safe to free only now.
                 self._free_blocks(request)
             else:
+                request.mark("load_done")
                 self.finished_recving_kv_req_ids.add(req_id)
         for req_id in output.finished_sending or ():
             request = self.requests.get(req_id)

@@ -19,6 +19,7 @@ from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import POLICIES, RoutingPolicy
 from pdserve.router.service import RouterServicer
+from pdserve.router.trace import TraceLog
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger HTTP bodies get 413",
     )
+    parser.add_argument(
+        "--trace-file",
+        default=None,
+        help="append one JSON line per finished request: its timeline (router, prefill, decode, KV pull events)",
+    )
 
 
 def served_model_name(model: str | None) -> str:
@@ -99,8 +105,9 @@ async def serve_router(args: argparse.Namespace) -> None:
     metrics = RouterMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.host, args.metrics_port)
+    trace = TraceLog(args.trace_file)
     servicer = RouterServicer(
-        pool, tokenizer, RoutingPolicy(args.policy), metrics, args.disagg_min_tokens, args.max_inflight
+        pool, tokenizer, RoutingPolicy(args.policy), metrics, args.disagg_min_tokens, args.max_inflight, trace
     )
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)]
@@ -144,6 +151,7 @@ async def serve_router(args: argparse.Namespace) -> None:
         await http.stop()
     await server.stop(5.0)
     await pool.close()
+    trace.close()
 
 
 def _addresses(value: str) -> list[str]:

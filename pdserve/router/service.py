@@ -28,6 +28,7 @@ from pdserve.router.engines import EngineHandle, EnginePool
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.text import TextStream
+from pdserve.router.trace import TraceLog
 from pdserve.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import sampling_from_proto, sampling_to_proto
 
@@ -62,7 +63,9 @@ class PreparedRequest:
 @dataclass
 class LiveRequest:
     request_id: str
-    arrival: float
+    arrival: float  # perf_counter, for durations
+    # {"<where>.<event>": unix time}: the router's and the engines' life-cycle events.
+    timeline: dict[str, float] = field(default_factory=lambda: {"router.receive": time.time()})
     engines: list[EngineHandle] = field(default_factory=list)  # every engine it was sent to
     calls: list = field(default_factory=list)  # its engine streams in flight (cancelled on abort)
     aborted: bool = False
@@ -88,6 +91,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         metrics: RouterMetrics,
         disagg_min_tokens: int,
         max_inflight: int,
+        trace: TraceLog | None = None,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
@@ -95,6 +99,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics = metrics
         self.disagg_min_tokens = disagg_min_tokens
         self.max_inflight = max_inflight
+        self.trace = trace or TraceLog(None)
         self.live: dict[str, LiveRequest] = {}
 
     # ------------------------------------------------------------------ validation
@@ -278,6 +283,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if live.aborted:
             raise _Aborted()
         prefill_done = time.perf_counter()
+        live.timeline["router.prefill_answer"] = time.time()
 
         # Decode: pulls the blocks, continues after the first token.
         decode_sampling = dataclasses.replace(
@@ -393,12 +399,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for engine, message in stage:
                 now = time.perf_counter()
                 tokens = list(message.token_ids)
+                for event, at in message.timeline.items():
+                    live.timeline.setdefault(f"{engine.role}.{event}", at)
                 if tokens:
                     if first_stage and "ttft_ms" not in timings:
+                        live.timeline["router.first_token"] = time.time()
                         timings["ttft_ms"] = (now - live.arrival) * 1e3
                         timings["prefill_ms"] = (now - stage_start) * 1e3
                         self.metrics.ttft.observe(now - live.arrival)
                     if prefill_done is not None and "transfer_ms" not in timings:
+                        live.timeline["router.decode_first_token"] = time.time()
                         timings["transfer_ms"] = (now - prefill_done) * 1e3
                         self.metrics.transfer.observe(now - prefill_done)
                     if last_token_at is not None:
@@ -422,7 +432,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if final:
                     if prefill_done is not None:
                         timings["decode_ms"] = (now - prefill_done) * 1e3
-                    out.metrics.CopyFrom(_metrics(timings))
+                    live.timeline["router.done"] = time.time()
+                    out.metrics.CopyFrom(_metrics(timings, live.timeline))
+                    self.trace.write(live.request_id, out.metrics)
                     self.metrics.requests.labels(finish_reason=finish_reason).inc()
                 yield out, message
                 if final:
@@ -465,8 +477,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouterStats(engines=stats)
 
 
-def _metrics(timings: dict) -> router_pb2.RequestMetrics:
+def _metrics(timings: dict, timeline: dict[str, float]) -> router_pb2.RequestMetrics:
+    received = timeline["router.receive"]
     return router_pb2.RequestMetrics(
+        timeline_ms={event: (at - received) * 1e3 for event, at in timeline.items()},
         ttft_ms=timings.get("ttft_ms", 0.0),
         prefill_ms=timings.get("prefill_ms", 0.0),
         transfer_ms=timings.get("transfer_ms", 0.0),

@@ -38,7 +38,14 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("ttft_ms", "prefill_ms", "transfer_ms", "decode_ms", "queue_ms", "prefill_engine", "decode_engine", "num_cached_tokens", "num_prompt_tokens", "stop_reason")
+    __slots__ = ("ttft_ms", "prefill_ms", "transfer_ms", "decode_ms", "queue_ms", "prefill_engine", "decode_engine", "num_cached_tokens", "num_prompt_tokens", "stop_reason", "timeline_ms")
+    class TimelineMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +56,7 @@ class RequestMetrics(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_MS_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -59,7 +67,8 @@ class RequestMetrics(_message.Message):
     num_cached_tokens: int
     num_prompt_tokens: int
     stop_reason: str
-    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_engine: _Optional[str] = ..., decode_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    timeline_ms: _containers.ScalarMap[str, float]
+    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_engine: _Optional[str] = ..., decode_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., timeline_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "metrics")
