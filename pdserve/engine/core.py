@@ -30,6 +30,10 @@ CONNECTOR_POLL_INTERVAL_S = 0.0005
 HELD_BLOCKS_POLL_INTERVAL_S = 0.02
 # An idle core wakes this often to check its stop flag; otherwise it sleeps on its input.
 IDLE_WAKEUP_S = 0.5
+# During a forward pass the core looks at its input every this many decoder layers (about
+# 3 ms of a decode step of the bundled model each), so a decode request arriving mid-step
+# starts its KV pull within a few ms instead of at the next step.
+LAYERS_PER_INPUT_POLL = 4
 
 
 @dataclass
@@ -69,6 +73,8 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, cache_config, connector, log_stats=log_stats)
         self.connector = connector
         self.last_step_num_tokens = 0
+        self._stepping = False  # inside step(): inputs other than new requests wait for its end
+        self._deferred_inputs: list[Any] = []  # taken in mid-step, handled after the step
 
     # ------------------------------------------------------------------ inputs
 
@@ -116,6 +122,12 @@ class EngineCore:
         scheduler = self.scheduler
         return scheduler.has_requests() or bool(scheduler.held_req_ids)
 
+    def admit_remote_loads(self) -> None:
+        """Start the KV pulls of newly arrived remote-prefill requests now (mid-step)."""
+        metadata = self.scheduler.admit_remote_loads()
+        if metadata is not None and self.connector is not None:
+            self.connector.start_load_kv(metadata)
+
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -152,23 +164,52 @@ class EngineCore:
         ``receive(timeout)`` returns the inputs that arrived (waiting up to ``timeout`` seconds,
         forever for None): ``EngineCoreRequest`` and ``AbortRequests``. Invalid requests are
         answered with an ``error`` output and never reach the scheduler.
+
+        With a KV connector, new requests are also taken in between decoder layers while a
+        step runs, and remote-prefill ones get their blocks and start their pulls at once
+        (``admit_remote_loads``); aborts taken in then are handled right after the step, since
+        the step in flight may be computing the very request.
         """
+        if self.connector is not None:
+            self.runner.call_between_layers(
+                lambda: self._take_inputs_mid_step(receive, emit), LAYERS_PER_INPUT_POLL
+            )
         while not should_stop():
-            if self.scheduler.has_requests():
+            if self._deferred_inputs or self.scheduler.has_requests():
                 timeout = 0.0
             elif self.has_work():
                 timeout = HELD_BLOCKS_POLL_INTERVAL_S  # only leases to watch
             else:
                 timeout = IDLE_WAKEUP_S  # idle: sleep on the input channel
-            for item in receive(timeout):
+            deferred, self._deferred_inputs = self._deferred_inputs, []
+            for item in deferred + receive(timeout):
                 self._handle_input(item, emit)
             if not self.has_work():
                 continue
-            outputs = self.step()
+            self._stepping = True
+            try:
+                outputs = self.step()
+            finally:
+                self._stepping = False
             if outputs:
                 emit(outputs)
             if self.last_step_num_tokens == 0 and self.scheduler.has_requests():
                 time.sleep(CONNECTOR_POLL_INTERVAL_S)  # only transfers in flight: don't spin
+
+    def _take_inputs_mid_step(
+        self, receive: Callable[[float | None], list[Any]], emit: Callable[[list[EngineCoreOutput]], None]
+    ) -> None:
+        if not self._stepping:
+            return  # a forward outside the busy loop's step (warm-up): nothing to take
+        added = False
+        for item in receive(0.0):
+            if isinstance(item, EngineCoreRequest):
+                self._handle_input(item, emit)
+                added = True
+            else:
+                self._deferred_inputs.append(item)
+        if added:
+            self.admit_remote_loads()
 
     def _handle_input(self, item: Any, emit: Callable[[list[EngineCoreOutput]], None]) -> None:
         if isinstance(item, AbortRequests):

@@ -319,7 +319,8 @@ class Scheduler(SchedulerInterface):
             scheduled_running = [r for r in scheduled_running if r not in resynced]
         output = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id)) for r in resynced
+                NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id))
+                for r in resynced
             ]
             + [NewRequestData.from_request(r, req_to_new_block_ids[r.request_id]) for r in scheduled_new],
             scheduled_cached_reqs=CachedRequestData(
@@ -341,6 +342,51 @@ class Scheduler(SchedulerInterface):
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
+
+    def admit_remote_loads(self) -> Any:
+        """Give waiting requests whose prompt KV sits on a remote engine their blocks now, and
+        return the connector metadata that starts their pulls (None if there is none).
+
+        The engine core calls this between two ``schedule()`` calls, while the runner is in the
+        middle of a step, as soon as such a request arrives: its pull then overlaps the step in
+        flight instead of starting with the next one, and the request runs in the step after
+        (vLLM starts loads only at a step boundary, costing a decode engine under load one more
+        step per handover). Only blocks are allocated: nothing is scheduled and no token budget
+        is used; the request still enters a batch through ``schedule()`` once its KV has landed.
+        Requests whose prompt is computed locally (a full local prefix hit) are left to
+        ``schedule()``, as is everything once ``max_num_seqs`` requests run.
+        """
+        if self.connector is None or len(self.running) >= self.scheduler_config.max_num_seqs:
+            return None
+        admitted = 0
+        for request in list(self.waiting):
+            if request.status != RequestStatus.WAITING or not (request.kv_transfer_params or {}).get(
+                "do_remote_prefill"
+            ):
+                continue
+            if self.kv_cache_manager.num_blocks_of(request.request_id) != 0:
+                continue
+            computed_blocks, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_external_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                request, num_local_tokens
+            )
+            if not load_kv_async or num_external_tokens == 0:
+                continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_external_tokens, num_local_tokens, computed_blocks, delay_cache_blocks=True
+            )
+            if new_block_ids is None:
+                break  # out of blocks: schedule() decides who gets them
+            self.kv_cache_manager.record_prefix_query(request.num_tokens, num_local_tokens)
+            self.connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens
+            )
+            request.mark("admitted")
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.pending_remote_tokens[request.request_id] = num_local_tokens + num_external_tokens
+            admitted += 1
+        # Nothing is scheduled here: the connector only needs the loads queued above.
+        return self.connector.build_connector_meta(None) if admitted else None
 
     def _pick_preemption_victim(self) -> Request:
         if self.scheduler_config.policy == "priority":
@@ -464,7 +510,9 @@ class Scheduler(SchedulerInterface):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # finished and held for a remote reader: nothing will compute on them
-            logger.warning("%s: KV blocks invalid from block %d (%s)", req_id, first_bad, "fail" if fail else "recompute")
+            logger.warning(
+                "%s: KV blocks invalid from block %d (%s)", req_id, first_bad, "fail" if fail else "recompute"
+            )
             valid_tokens = first_bad * self.block_size
             if fail:
                 self._fail_request(request, "kv_load_failed")

@@ -1,0 +1,171 @@
+"""A decode request that arrives while a step runs starts its KV pull mid-step, and nothing leaks.
+
+The engine core takes new requests in between decoder layers (``EngineCore.run_busy_loop``)
+and gives a remote-prefill request its blocks at once (``Scheduler.admit_remote_loads``), so
+the pull overlaps the step in flight and the request runs in the next one. These tests drive
+the real busy loop over the tiny model with a scripted input channel and a connector whose
+loads land only when the test says, so "mid-step" and "the next step" are exact, not timed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import SamplingParams
+from tests.scheduler_helpers import FakeConnector, assert_idle_and_no_leak
+
+
+class WorkerFakeConnector(FakeConnector):
+    """FakeConnector plus the worker side: loads land when the test calls ``land``."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_free_aborted_loads=True)
+        self.core: EngineCore | None = None
+        self.land_at_start = False  # the pull ends within the step it started in
+        self.load_started_mid_step: dict[str, bool] = {}  # {req_id: was a step in flight}
+        self._landed: set[str] = set()
+
+    def start_load_kv(self, metadata: Any) -> None:
+        assert self.core is not None
+        for req_id in self.loads_started:
+            if req_id not in self.load_started_mid_step:
+                self.load_started_mid_step[req_id] = self.core._stepping
+                if self.land_at_start:
+                    self._landed.add(req_id)
+
+    def land(self, req_id: str) -> None:
+        self._landed.add(req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._landed = self._landed, set()
+        return None, done or None
+
+
+class Script:
+    """The core's input channel: what arrives at the loop top and in between layers."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.at_top: list[list[Any]] = []  # one list per loop-top call, in order
+        self.mid_step: list[list[Any]] = []  # one list per mid-step call, in order
+        self.outputs: list[tuple[int, EngineCoreOutput]] = []  # (step index, output)
+        self.steps = 0
+        self.on_step_end: list[Any] = []  # callables(step index) run after each step
+
+    def receive(self, timeout: float | None) -> list[Any]:
+        if self.core._stepping:
+            return self.mid_step.pop(0) if self.mid_step else []
+        return self.at_top.pop(0) if self.at_top else []
+
+    def emit(self, outputs: list[EngineCoreOutput]) -> None:
+        # Step outputs are emitted after the step (counted already); inputs' outputs between.
+        self.outputs += [(self.steps - 1, o) for o in outputs]
+
+    def should_stop(self) -> bool:
+        return not self.at_top and not self.mid_step and not self.core.has_work() and self.steps > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def make_core(tiny_loaded) -> tuple[EngineCore, WorkerFakeConnector, Script]:
+    connector = WorkerFakeConnector()
+    core = EngineCore(
+        tiny_loaded,
+        SchedulerConfig(max_model_len=512, max_num_batched_tokens=512, max_num_seqs=8),
+        CacheConfig(block_size=16, num_blocks=64),
+        connector,
+    )
+    connector.core = core
+    script = Script(core)
+    step = core.step
+
+    def counted_step() -> list[EngineCoreOutput]:
+        outputs = step()
+        for hook in script.on_step_end:
+            hook(script.steps)
+        script.steps += 1
+        return outputs
+
+    core.step = counted_step  # type: ignore[method-assign]
+    return core, connector, script
+
+
+def local_request(request_id: str, num_tokens: int, max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def remote_request(request_id: str, num_tokens: int, max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id,
+        list(range(7, 7 + num_tokens)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        kv_transfer_params={"do_remote_prefill": True, "num_tokens": num_tokens},
+    )
+
+
+def step_of_first_token(script: Script, request_id: str) -> int:
+    return min(step for step, o in script.outputs if o.request_id == request_id and o.new_token_ids)
+
+
+def test_decode_request_arriving_mid_step_pulls_at_once_and_runs_next_step(tiny_loaded):
+    core, connector, script = make_core(tiny_loaded)
+    script.at_top = [[local_request("busy", 100, 6)]]
+    script.mid_step = [[remote_request("remote", 48, 4)]]  # arrives during step 0
+    connector.land_at_start = True  # the pull lands before step 0 ends (it overlaps the step)
+
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+
+    assert connector.load_started_mid_step == {"remote": True}
+    assert step_of_first_token(script, "remote") == 1  # the step right after the one it arrived in
+    assert sum(len(o.new_token_ids) for _, o in script.outputs if o.request_id == "remote") == 4
+    assert sum(len(o.new_token_ids) for _, o in script.outputs if o.request_id == "busy") == 6
+    events = {k for _, o in script.outputs if o.request_id == "remote" for k in (o.timeline or {})}
+    assert {"received", "admitted", "load_done", "scheduled", "first_token", "finished"} <= events
+    assert_idle_and_no_leak(core.scheduler)
+
+
+def test_abort_during_mid_step_admission_frees_everything_once_the_pull_ends(tiny_loaded):
+    core, connector, script = make_core(tiny_loaded)
+    script.at_top = [[local_request("busy", 100, 8)]]
+    script.mid_step = [[remote_request("remote", 48, 4)], [AbortRequests(["remote"])]]
+    held_while_pulling: list[int] = []
+
+    def after_step(step: int) -> None:
+        if step == 0:
+            # Aborted at the end of step 0, pull still writing: its blocks must stay allocated.
+            held_while_pulling.append(core.scheduler.kv_cache_manager.num_blocks_of("remote"))
+        if step == 2:
+            connector.land("remote")  # the pull ends late; only now may its blocks be freed
+
+    script.on_step_end.append(after_step)
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+
+    assert connector.load_started_mid_step == {"remote": True}
+    remote_outputs = [o for _, o in script.outputs if o.request_id == "remote"]
+    assert [o.finish_reason for o in remote_outputs] == ["abort"]
+    assert all(not o.new_token_ids for o in remote_outputs)
+    assert held_while_pulling == [3]  # 48 tokens in 16-token blocks, allocated mid-step
+    assert ("remote", "FINISHED_ABORTED") in {(r, s.name) for r, _, s in connector.finished_calls}
+    assert_idle_and_no_leak(core.scheduler)
+
+
+def test_abort_before_the_pull_starts_is_handled_after_the_step(tiny_loaded):
+    """An abort arriving mid-step for a request that is not admitted early (no remote KV) is
+    deferred to the step's end and still frees everything."""
+    core, connector, script = make_core(tiny_loaded)
+    script.at_top = [[local_request("busy", 100, 4)]]
+    script.mid_step = [[local_request("late", 20, 4)], [AbortRequests(["late"])]]
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+    late = [o for _, o in script.outputs if o.request_id == "late"]
+    assert late and late[-1].finish_reason == "abort"
+    assert connector.load_started_mid_step == {}
+    assert_idle_and_no_leak(core.scheduler)
