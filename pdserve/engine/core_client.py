@@ -1,11 +1,19 @@
-"""Front-side handle on an engine core process: start it, send requests, read outputs.
+"""Front-side handles on an engine core process: start it, send requests, read outputs.
 
 The front binds two ZMQ IPC sockets in a private temporary directory and starts the core as a
-subprocess (configuration as JSON on its command line), so nothing but msgpack crosses.
+subprocess. Its configuration (which may hold the cluster token) goes to the child's stdin, not
+its command line, so ``ps`` does not show it; nothing but msgpack crosses the sockets.
+
+As in vLLM's ``v1/engine/core_client.py``: ``MPClient`` owns the process, the sockets, the
+messages sent and the handling of every message the core sends back; ``EngineCoreClient``
+(blocking: tests, scripts) and ``AsyncEngineCoreClient`` (asyncio: the gRPC engine servers)
+add only how they wait.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -14,9 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
 
 import zmq
+import zmq.asyncio
 
 from pdserve.engine import messages
 from pdserve.engine.engine_config import EngineConfig
@@ -24,6 +34,9 @@ from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# What ``_send`` returns: None for the blocking client, a coroutine to await for the asyncio one.
+_Sent = TypeVar("_Sent")
 
 
 class EngineCoreError(RuntimeError):
@@ -62,56 +75,23 @@ def spawn_core(
     return ipc_dir, proc
 
 
-def add_request_message(
-    request_id: str,
-    prompt_token_ids: list[int],
-    sampling_params: SamplingParams,
-    kv_transfer_params: dict[str, Any] | None,
-    priority: int,
-) -> dict[str, Any]:
-    return {
-        "type": messages.ADD,
-        "request_id": request_id,
-        "prompt_token_ids": list(prompt_token_ids),
-        "sampling_params": messages.sampling_to_dict(sampling_params),
-        "kv_transfer_params": kv_transfer_params,
-        "priority": priority,
-        "arrival_time": time.time(),
-    }
+class MPClient(Generic[_Sent]):
+    """One engine core process and the two sockets to it (front -> core, core -> front).
 
-
-class EngineCoreClient:
-    """Blocking client (tests, scripts); servers use ``AsyncEngineCoreClient``."""
+    ``info`` is None until the core reports READY (model loaded). Every message from the core
+    goes through ``_dispatch``, which hands outputs and replies to the subclass's hooks.
+    """
 
     def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        startup_timeout_s: float = 300.0,
-        env: dict[str, str] | None = None,
-        log_level: str = "INFO",
+        self, config: EngineConfig, ctx: zmq.Context, env: dict[str, str] | None, log_level: str
     ) -> None:
         self.config = config
-        self.ctx = zmq.Context()
-        self.inputs = self.ctx.socket(zmq.PUSH)
-        self.outputs = self.ctx.socket(zmq.PULL)
+        self.ctx = ctx
+        self.inputs = ctx.socket(zmq.PUSH)
+        self.outputs = ctx.socket(zmq.PULL)
         self._ipc_dir, self.proc = spawn_core(config, self.inputs, self.outputs, env, log_level)
-        self._nonce = itertools.count()
-        self._buffered: list[EngineCoreOutput] = []
-        self.info = self._wait_ready(startup_timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.close()
-                raise EngineCoreError(f"engine core exited with code {self.proc.returncode} during start-up")
-            if self.outputs.poll(100):
-                message = messages.decode(self.outputs.recv())
-                if message["type"] == messages.READY:
-                    return message["info"]
-        self.close()
-        raise EngineCoreError(f"engine core not ready after {timeout_s:.0f}s")
+        self._nonces = itertools.count()
+        self.info: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -122,43 +102,130 @@ class EngineCoreClient:
         sampling_params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         priority: int = 0,
-    ) -> None:
-        self._send(add_request_message(request_id, prompt_token_ids, sampling_params, kv_transfer_params, priority))
+    ) -> _Sent:
+        return self._send(
+            {
+                "type": messages.ADD,
+                "request_id": request_id,
+                "prompt_token_ids": list(prompt_token_ids),
+                "sampling_params": messages.sampling_to_dict(sampling_params),
+                "kv_transfer_params": kv_transfer_params,
+                "priority": priority,
+                "arrival_time": time.time(),
+            }
+        )
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._send({"type": messages.ABORT, "request_ids": list(request_ids)})
+    def abort(self, request_ids: list[str]) -> _Sent:
+        return self._send({"type": messages.ABORT, "request_ids": list(request_ids)})
+
+    def _query(self, kind: str) -> tuple[int, dict[str, Any]]:
+        """A request the core answers with a reply carrying the same nonce (stats, ...)."""
+        nonce = next(self._nonces)
+        return nonce, {"type": kind, "nonce": nonce}
+
+    # ------------------------------------------------------------------ what the core sends
+
+    def _dispatch(self, data: bytes) -> None:
+        """Decode one message from the core (ValueError if malformed) and hand it on."""
+        message = messages.decode(data)
+        if message["type"] == messages.OUTPUTS:
+            self._on_outputs([messages.output_from_dict(o) for o in message["outputs"]])
+        elif message["type"] == messages.STATS_REPLY:
+            self._on_reply(message.get("nonce"), message)
+        elif message["type"] == messages.READY:
+            self.info = message["info"]
+            self._on_ready()
+
+    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        raise NotImplementedError
+
+    def _on_reply(self, nonce: Any, reply: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _on_ready(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, message: dict[str, Any]) -> _Sent:
+        raise NotImplementedError
+
+    def _exit_error(self) -> EngineCoreError | None:
+        """The error to raise if the core process has exited, else None."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        during = "" if self.info is not None else " during start-up"
+        return EngineCoreError(f"engine core exited with code {code}{during}")
+
+    def _shutdown_message(self) -> bytes:
+        return messages.encode({"type": messages.SHUTDOWN})
+
+    def _release(self) -> None:
+        """Kill the core if it is still running; close the sockets and the IPC directory."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.ctx.closed:
+            return
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class EngineCoreClient(MPClient[None]):
+    """Blocking client (tests, scripts): each call reads the core's messages until it has its answer.
+
+    Outputs read while waiting for something else (a reply, another request) are kept for the
+    next ``get_outputs``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        startup_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+        log_level: str = "INFO",
+    ) -> None:
+        super().__init__(config, zmq.Context(), env, log_level)
+        self._buffered: list[EngineCoreOutput] = []
+        self._replies: dict[int, dict[str, Any] | None] = {}  # {nonce: reply, None until it arrives}
+        try:
+            if not self._read_until(lambda: self.info is not None, startup_timeout_s):
+                raise EngineCoreError(f"engine core not ready after {startup_timeout_s:.0f}s")
+        except EngineCoreError:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ requests
 
     def get_outputs(self, timeout_s: float | None = None) -> list[EngineCoreOutput]:
         """Outputs that arrived, waiting up to ``timeout_s`` for the first (None: forever)."""
-        if self._buffered:
-            out, self._buffered = self._buffered, []
-            return out
         wait_ms = -1 if timeout_s is None else int(timeout_s * 1000)
-        outputs: list[EngineCoreOutput] = []
-        while self.outputs.poll(wait_ms):
+        if self._buffered:
             wait_ms = 0
-            message = messages.decode(self.outputs.recv())
-            if message["type"] == messages.OUTPUTS:
-                outputs.extend(messages.output_from_dict(o) for o in message["outputs"])
+        while self._read(wait_ms):
+            wait_ms = 0
+        outputs, self._buffered = self._buffered, []
         if not outputs:
             self._check_alive()
         return outputs
 
     def call(self, kind: str, timeout_s: float = 10.0) -> dict[str, Any]:
         """A request/reply (stats, reset_prefix_cache); outputs that arrive meanwhile are kept."""
-        nonce = next(self._nonce)
-        self._send({"type": kind, "nonce": nonce})
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.outputs.poll(100):
-                self._check_alive()
-                continue
-            message = messages.decode(self.outputs.recv())
-            if message["type"] == messages.OUTPUTS:
-                self._buffered.extend(messages.output_from_dict(o) for o in message["outputs"])
-            elif message["type"] == messages.STATS_REPLY and message.get("nonce") == nonce:
-                return message
-        raise EngineCoreError(f"no reply to {kind!r} within {timeout_s}s")
+        nonce, query = self._query(kind)
+        self._replies[nonce] = None
+        try:
+            self._send(query)
+            if not self._read_until(lambda: self._replies[nonce] is not None, timeout_s):
+                raise EngineCoreError(f"no reply to {kind!r} within {timeout_s}s")
+            reply = self._replies[nonce]
+            assert reply is not None
+            return reply
+        finally:
+            del self._replies[nonce]
 
     def stats(self) -> dict[str, Any]:
         return self.call(messages.STATS)["stats"]
@@ -194,29 +261,163 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------ plumbing
 
+    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        self._buffered.extend(outputs)
+
+    def _on_reply(self, nonce: Any, reply: dict[str, Any]) -> None:
+        if nonce in self._replies:  # else a reply to a call that timed out
+            self._replies[nonce] = reply
+
+    def _read(self, timeout_ms: int) -> bool:
+        """Dispatch one message from the core if one comes within ``timeout_ms`` (-1: forever)."""
+        if not self.outputs.poll(timeout_ms):
+            return False
+        self._dispatch(self.outputs.recv())
+        return True
+
+    def _read_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Read until ``done()``; False after ``timeout_s``; EngineCoreError if the core exits."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() >= deadline:
+                return False
+            if not self._read(100):
+                self._check_alive()
+        return True
+
     def _send(self, message: dict[str, Any]) -> None:
         self._check_alive()
         self.inputs.send(messages.encode(message))
 
     def _check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise EngineCoreError(f"engine core exited with code {self.proc.returncode}")
+        error = self._exit_error()
+        if error is not None:
+            raise error
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self.proc.poll() is None:
-            try:
-                self.inputs.send(messages.encode({"type": messages.SHUTDOWN}), zmq.NOBLOCK)
+            with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
+                self.inputs.send(self._shutdown_message(), zmq.NOBLOCK)
                 self.proc.wait(timeout_s)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.inputs.close(linger=0)
-        self.outputs.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._release()
 
     def __enter__(self) -> EngineCoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
+    """asyncio client for the gRPC engine servers (``add_request`` and ``abort`` are awaited).
+
+    One task reads the core's output socket and routes each output to the queue of the stream
+    that asked for it, so any number of concurrent ``Generate`` calls share one core.
+    """
+
+    def __init__(
+        self, config: EngineConfig, env: dict[str, str] | None = None, log_level: str = "INFO"
+    ) -> None:
+        super().__init__(config, zmq.asyncio.Context(), env, log_level)
+        self._streams: dict[str, asyncio.Queue[EngineCoreOutput]] = {}  # {request_id: its outputs}
+        self._replies: dict[int, asyncio.Future] = {}  # {nonce: reply future}
+        self._ready: asyncio.Future | None = None
+        self._reader: asyncio.Task | None = None
+        self.dead = False
+
+    async def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait for the core's READY (model loaded); outputs are routed from then on."""
+        self._ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_messages(), name="core-outputs")
+        try:
+            await asyncio.wait_for(self._ready, timeout_s)
+        except TimeoutError:
+            raise EngineCoreError(f"engine core not ready after {timeout_s:.0f}s") from None
+        assert self.info is not None
+        return self.info
+
+    async def _read_messages(self) -> None:
+        while True:
+            if not await self.outputs.poll(500):
+                if self.proc.poll() is not None:
+                    self._on_core_death()
+                    return
+                continue
+            try:
+                self._dispatch(await self.outputs.recv())
+            except ValueError as exc:
+                logger.error("bad message from engine core: %s", exc)
+
+    def _on_core_death(self) -> None:
+        """Fail every open stream and call: the core process exited under us."""
+        self.dead = True
+        error = self._exit_error()
+        logger.error("%s", error)
+        for request_id, queue in self._streams.items():
+            queue.put_nowait(
+                EngineCoreOutput(request_id, [], finish_reason="error", stop_reason="engine core died")
+            )
+        for future in [self._ready, *self._replies.values()]:
+            if future is not None and not future.done():
+                future.set_exception(error or EngineCoreError("engine core died"))
+
+    # ------------------------------------------------------------------ requests
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[EngineCoreOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    async def call(self, kind: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        nonce, query = self._query(kind)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._replies[nonce] = future
+        try:
+            await self._send(query)
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._replies.pop(nonce, None)
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self.call(messages.STATS))["stats"]
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _on_reply(self, nonce: Any, reply: dict[str, Any]) -> None:
+        future = self._replies.pop(nonce, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def _on_ready(self) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if self.dead or self.proc.poll() is not None:
+            raise EngineCoreError("engine core is not running")
+        await self.inputs.send(messages.encode(message))
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        if self.proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError, subprocess.TimeoutExpired):
+                await self.inputs.send(self._shutdown_message(), zmq.NOBLOCK)
+                await asyncio.to_thread(self.proc.wait, timeout_s)
+        self._release()

@@ -20,8 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.async_core_client import AsyncEngineCoreClient
-from pdserve.engine.core_client import EngineCoreError
+from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import validate_prompt
