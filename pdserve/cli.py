@@ -72,7 +72,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover")
+BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover", "throughput")
 
 
 def _bench(what: str, rest: list[str]) -> int:
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_args(local)
     local.set_defaults(func=cluster.main)
 
-    bench = sub.add_parser("bench", help="benchmarks (engine, transfer, kernels, serve)")
+    bench = sub.add_parser("bench", help=f"benchmarks ({', '.join(BENCHMARKS)})")
     bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see its --help)")
     bench.set_defaults(func=lambda args: _bench(args.what, args.args))

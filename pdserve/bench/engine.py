@@ -18,6 +18,24 @@ from tqdm import tqdm
 from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
 
 
+def load_transformers_reference(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The same weights in Hugging Face transformers, in eval mode: the reference every
+    pdserve-vs-transformers benchmark compares against.
+
+    ``path`` is what pdserve loads: a GGUF file (transformers dequantises it with the same
+    ``gguf`` routine pdserve uses) or an HF checkpoint directory such as the tiny test model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+        )
+    return model.eval()
+
+
 def _time(fn, repeats: int) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs (after one warm-up run)."""
     fn()
@@ -47,7 +65,9 @@ def scheduler_cost_us(num_reqs: int, steps: int = 50) -> float:
         CacheConfig(block_size=16, num_blocks=num_reqs * 8),
     )
     for i in range(num_reqs):
-        scheduler.add_request(Request(f"r{i}", [100 + i] * 32, SamplingParams(max_tokens=10_000, ignore_eos=True)))
+        scheduler.add_request(
+            Request(f"r{i}", [100 + i] * 32, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        )
 
     def step() -> None:
         out = scheduler.schedule()
@@ -78,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM
-
     from pdserve import LLM
     from pdserve.engine.model.loader import bundled_model_path
     from pdserve.engine.request import SamplingParams
@@ -87,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model or bundled_model_path()
     print(f"loading {path} (pdserve and transformers, fp32) ...")
     llm = LLM(path, max_model_len=4096, num_blocks=2048, enable_prefix_caching=False, max_num_seqs=256)
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    hf = load_transformers_reference(path)
     vocab = llm.engine.vocab_size
     rows: list[dict] = []
     phases = tqdm(total=1 + len(args.batch_sizes) + 1, desc="bench engine", unit="phase")
