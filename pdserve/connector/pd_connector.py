@@ -162,6 +162,9 @@ class PDConnector(KVConnectorBase):
             advertise_host=self.config.advertise_host,
             token=self.config.cluster_token,
             transfer_timeout_s=self.config.transfer_timeout_s,
+            # A finished read wakes the transfer thread at once (it would otherwise notice it
+            # on its next poll, up to a poll interval later, on every handover).
+            wakeup=self._wake_worker,
             **_transport_options(self.config),
         )
         if self.is_producer:
@@ -184,6 +187,10 @@ class PDConnector(KVConnectorBase):
                 transfer_timeout_s=self.config.transfer_timeout_s,
                 lease_renew_s=self.config.lease_ms / 3000.0,
             )
+
+    def _wake_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.wake()
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, PDConnectorMetadata)

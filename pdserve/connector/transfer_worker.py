@@ -22,6 +22,10 @@ from pdserve.connector.side_channel import SideChannelClient, SideChannelError
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+# With reads in flight the thread also wakes this often on its own, for deadlines and lease
+# renewals; completions wake it at once through the transport's wakeup hook (``wake``).
+IN_FLIGHT_POLL_S = 0.005
+IDLE_POLL_S = 0.05
 # Past its deadline the transport must report a transfer failed; if it has not after this much
 # more, the worker reports it failed itself rather than let the request hang.
 DEADLINE_GRACE_S = 2.0
@@ -91,6 +95,9 @@ class _Release:
     remote_req_id: str
 
 
+_WAKE = object()  # queued by ``wake``: look at the transport now
+
+
 class TransferWorker:
     def __init__(
         self,
@@ -107,7 +114,7 @@ class TransferWorker:
         self.token = token
         self.transfer_timeout_s = transfer_timeout_s
         self.lease_renew_s = lease_renew_s
-        self._jobs: queue.Queue[LoadJob | _Release] = queue.Queue()
+        self._jobs: queue.Queue[LoadJob | _Release | object] = queue.Queue()
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._timelines: dict[str, dict[str, float]] = {}  # {req_id: events}, until taken
@@ -127,6 +134,10 @@ class TransferWorker:
 
     def submit_release(self, remote: RemoteRef, remote_req_id: str) -> None:
         self._jobs.put(_Release(remote, remote_req_id))
+
+    def wake(self) -> None:
+        """A read ended (the transport's thread calls this): collect it now."""
+        self._jobs.put(_WAKE)
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Loads that ended since the last call, and the local blocks of the failed ones."""
@@ -156,7 +167,7 @@ class TransferWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._take_jobs(block_s=0.0005 if self._in_flight else 0.05)
+                self._take_jobs(block_s=IN_FLIGHT_POLL_S if self._in_flight else IDLE_POLL_S)
                 self._collect_results()
                 self._enforce_deadlines()
                 self._renew_leases()
@@ -173,7 +184,7 @@ class TransferWorker:
         while True:
             if isinstance(item, _Release):
                 self._notify(item.remote, "release", [item.remote_req_id])
-            else:
+            elif isinstance(item, LoadJob):
                 self._start(item)
             try:
                 item = self._jobs.get_nowait()

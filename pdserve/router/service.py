@@ -352,6 +352,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         # done with the request, may close this stage at the last message).
                         engine.remember_blocks(block_hashes)
                     yield engine, message
+                    if message.finish_reason:
+                        # The last message: don't wait for the stream's closing status (a
+                        # round trip) before the next stage, the decode handover, can start.
+                        return
                 return
             except asyncio.CancelledError:
                 if live.aborted:
