@@ -7,120 +7,71 @@ foreground; Ctrl-C or SIGTERM stops every process (router first, then the engine
 SIGKILL after a grace period), and so does any child exiting on its own, which makes the command
 exit non-zero naming it.
 
-Children never outlive the cluster: each is started through a short shim that asks the kernel
-for SIGTERM when its parent goes away (``PR_SET_PDEATHSIG``) and then execs the real command,
-and each engine front in turn takes its engine core down with it. The children get their own
-session, so a Ctrl-C in the terminal reaches only the cluster, which stops them in order.
+The processes are run by ``pdserve.supervisor``: children never outlive the cluster (the kernel
+sends each SIGTERM when its parent goes away, and each engine front in turn takes its engine core
+down with it), and they get their own session, so a Ctrl-C in the terminal reaches only the
+cluster, which stops them in order.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-ENGINE_ROLES = ("prefill", "decode")
-DEFAULT_GRACE_S = 10.0
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
-# A port picked free can be taken by another process before the child binds it.
-MAX_BIND_ATTEMPTS = 3
-_BIND_FAILURE_MARKERS = ("address already in use", "failed to bind", "errno 98")
-_PROGRESS_EVERY_S = 10.0
-
-# Runs in each child before the real command: SIGTERM me when my parent goes, then exec.
-# PR_SET_PDEATHSIG (1) survives execve; the ppid check covers a parent that died before prctl.
-_PDEATHSIG_SHIM = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)\n"
-    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
+from pdserve.supervisor import (
+    DEFAULT_GRACE_S,
+    StartupStopped,
+    SupervisedProcess,
+    Supervisor,
+    SupervisorError,
+    check_health,
+    pick_free_ports,
 )
 
+__all__ = [
+    "ClusterError",
+    "ClusterProcess",
+    "ClusterStopped",
+    "LocalCluster",
+    "add_args",
+    "check_health",
+    "main",
+    "pick_free_ports",
+]
 
-class ClusterError(RuntimeError):
-    """A process of the cluster failed to start or died."""
+ENGINE_ROLES = ("prefill", "decode")
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
-
-class ClusterStopped(ClusterError):
-    """Start-up was interrupted because a stop was requested."""
-
-
-@dataclass
-class ClusterProcess:
-    """One child of the cluster: its addresses, its command line and its log file."""
-
-    name: str  # "router", "prefill-0", "decode-1", ...
-    role: str  # "router", "prefill" or "decode"
-    address: str  # gRPC host:port
-    metrics_address: str | None  # host:port of Prometheus /metrics
-    log_path: str
-    argv: list[str] = field(default_factory=list)
-    popen: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def describe_exit(self) -> str:
-        code = self.popen.poll() if self.popen is not None else None
-        if code is None:
-            return "is running"
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
-
-    def log_tail(self, num_lines: int = 20) -> str:
-        try:
-            with open(self.log_path, errors="replace") as log:
-                return "".join(log.readlines()[-num_lines:])
-        except OSError:
-            return ""
+# A process of the cluster failed to start or died / start-up was interrupted by a stop request.
+ClusterError = SupervisorError
+ClusterStopped = StartupStopped
 
 
-def pick_free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct ports free right now (all held open together so none repeats)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+class ClusterProcess(SupervisedProcess):
+    """One child of the cluster: a supervised process with its role and metrics address."""
 
-
-def check_health(address: str, timeout_s: float = 1.0) -> bool:
-    """True when the gRPC health service at ``address`` reports SERVING for the whole server."""
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        argv: list[str],
+        log_path: str,
+        *,
+        address: str,
+        metrics_address: str | None,
+        env: dict[str, str],
+    ) -> None:
+        super().__init__(name, argv, log_path, address=address, env=env)
+        self.role = role  # "router", "prefill" or "decode"
+        self.metrics_address = metrics_address  # host:port of Prometheus /metrics
 
 
 class LocalCluster:
@@ -181,11 +132,17 @@ class LocalCluster:
         # One random key per cluster authenticates the engines' KV side channel to each other.
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
-        self.procs: dict[str, ClusterProcess] = {}  # {name: process}, in start order
-        self.stop_requested = threading.Event()
+        self.stop_requested = threading.Event()  # set from another thread or a signal handler
+        # The engines are one wave and the router the next, so stop() takes the router down first.
+        self.supervisor = Supervisor(grace_s=grace_s, progress=self.progress, stop_event=self.stop_requested)
         self._failed = False  # a start-up failure keeps a temp log dir for reading
 
     # ------------------------------------------------------------------ addresses
+
+    @property
+    def procs(self) -> dict[str, ClusterProcess]:
+        """{name: process} of every process started, in start order."""
+        return {proc.name: proc for proc in self.supervisor.children}
 
     @property
     def router_address(self) -> str:
@@ -212,7 +169,7 @@ class LocalCluster:
 
     def _ordered(self) -> list[ClusterProcess]:
         """Prefill engines, decode engines, router; by index within a role (a retried start
-        re-adds a process to ``procs`` out of order)."""
+        puts a process after the others of its wave)."""
         rank = {"prefill": 0, "decode": 1, "router": 2}
         return sorted(self.procs.values(), key=lambda p: (rank[p.role], int(p.name.partition("-")[2] or 0)))
 
@@ -239,47 +196,52 @@ class LocalCluster:
             for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode))
             for i in range(n)
         ]
-        self._start_and_wait([(name, name.split("-")[0]) for name in names])
-        self._start_and_wait([("router", "router")])
+        try:
+            for wave in (names, ["router"]):
+                self.supervisor.start(
+                    wave,
+                    self._build,
+                    timeout_s=self.startup_timeout_s,
+                    # Fixed ports (--base-port) cannot move: a taken one fails the start-up.
+                    retry_lost_port=self.base_port is None,
+                )
+        except ClusterStopped:
+            raise
+        except ClusterError:
+            self._failed = True  # keep a temp log dir for reading
+            raise
 
-    def _start_and_wait(self, members: list[tuple[str, str]]) -> None:
-        started = time.monotonic()
-        for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
-            ports = self._ports(members)
-            pending = []
-            for (name, role), (port, metrics_port) in zip(members, ports, strict=True):
-                proc = self._spawn(name, role, port, metrics_port)
-                self.progress(f"starting {name} on {proc.address} (log: {proc.log_path})")
-                pending.append(proc)
-            lost_bind = self._wait_healthy(pending, started)
-            if not lost_bind:
-                return
-            if self.base_port is not None or attempt == MAX_BIND_ATTEMPTS:
-                self._failed = True
-                proc = lost_bind[0]
-                raise ClusterError(f"{proc.name} could not bind {proc.address}:\n{proc.log_tail()}")
-            for proc in lost_bind:
-                self.progress(f"{proc.name}: port taken by another process, retrying on a new one")
-            members = [(p.name, p.role) for p in lost_bind]
-            for proc in lost_bind:
-                del self.procs[proc.name]
-
-    def _ports(self, members: list[tuple[str, str]]) -> list[tuple[int, int]]:
-        """(gRPC port, metrics port) for each member."""
+    def _build(self, names: Sequence[str]) -> list[ClusterProcess]:
+        """The processes ``names`` on their ports (fresh free ones unless fixed), not yet spawned."""
         if self.base_port is not None:
-            ports = []
-            for name, role in members:
-                k = 0 if role == "router" else 1 + self._engine_index(name)
-                ports.append((self.base_port + 2 * k, self.base_port + 2 * k + 1))
+            index = [0 if name == "router" else 1 + self._engine_index(name) for name in names]
+            ports = [(self.base_port + 2 * k, self.base_port + 2 * k + 1) for k in index]
         else:
-            free = pick_free_ports(self.host, 2 * len(members))
-            ports = [(free[2 * i], free[2 * i + 1]) for i in range(len(members))]
+            free = pick_free_ports(self.host, 2 * len(names))
+            ports = [(free[2 * i], free[2 * i + 1]) for i in range(len(names))]
         if self.router_port is not None:
             ports = [
-                (self.router_port, mp) if role == "router" else (p, mp)
-                for (p, mp), (_, role) in zip(ports, members, strict=True)
+                (self.router_port, mp) if n == "router" else (p, mp)
+                for n, (p, mp) in zip(names, ports, strict=True)
             ]
-        return ports
+        procs = []
+        for name, (port, metrics_port) in zip(names, ports, strict=True):
+            role = name.split("-")[0]
+            argv = [sys.executable, *self._argv(role, port, metrics_port)]
+            if role in ENGINE_ROLES:
+                argv += ["--engine-id", f"{name}-{port}"]
+            procs.append(
+                ClusterProcess(
+                    name,
+                    role,
+                    argv,
+                    os.path.join(self.log_dir, f"{name}.log"),
+                    address=f"{self.host}:{port}",
+                    metrics_address=f"{self.host}:{metrics_port}",
+                    env=self.env,
+                )
+            )
+        return procs
 
     def _engine_index(self, name: str) -> int:
         """Position among the engines: the prefill engines first, then the decode engines."""
@@ -309,79 +271,13 @@ class LocalCluster:
             argv += ["--model", self.model]
         return argv + self.engine_args
 
-    def _spawn(self, name: str, role: str, port: int, metrics_port: int) -> ClusterProcess:
-        argv = self._argv(role, port, metrics_port)
-        if role in ENGINE_ROLES:
-            argv += ["--engine-id", f"{name}-{port}"]
-        proc = ClusterProcess(
-            name=name,
-            role=role,
-            address=f"{self.host}:{port}",
-            metrics_address=f"{self.host}:{metrics_port}",
-            log_path=os.path.join(self.log_dir, f"{name}.log"),
-            argv=[sys.executable, *argv],
-        )
-        if sys.platform.startswith("linux"):
-            command = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
-        else:
-            command = proc.argv
-        with open(proc.log_path, "ab") as log:
-            proc.popen = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
-        self.procs[name] = proc
-        return proc
-
-    def _wait_healthy(self, pending: list[ClusterProcess], started: float) -> list[ClusterProcess]:
-        """Poll until every process in ``pending`` is SERVING; returns those that lost a port race."""
-        pending = list(pending)
-        lost_bind: list[ClusterProcess] = []
-        last_progress = time.monotonic()
-        while pending:
-            if self.stop_requested.is_set():
-                raise ClusterStopped("stop requested during start-up")
-            for proc in list(pending):
-                if not proc.alive:
-                    tail = proc.log_tail()
-                    if any(marker in tail.lower() for marker in _BIND_FAILURE_MARKERS):
-                        lost_bind.append(proc)
-                        pending.remove(proc)
-                        continue
-                    self._failed = True
-                    raise ClusterError(
-                        f"{proc.name} {proc.describe_exit()} during start-up; its log:\n{tail}"
-                    )
-                if check_health(proc.address, timeout_s=0.5):
-                    pending.remove(proc)
-                    self.progress(f"{proc.name} ready on {proc.address} ({time.monotonic() - started:.1f}s)")
-            elapsed = time.monotonic() - started
-            if pending and elapsed > self.startup_timeout_s:
-                self._failed = True
-                names = ", ".join(p.name for p in pending)
-                raise ClusterError(
-                    f"{names} not healthy after {self.startup_timeout_s:.0f}s (logs in {self.log_dir})"
-                )
-            if pending and time.monotonic() - last_progress >= _PROGRESS_EVERY_S:
-                last_progress = time.monotonic()
-                self.progress(f"waiting for {', '.join(p.name for p in pending)} ({elapsed:.0f}s)")
-            if pending:
-                self.stop_requested.wait(0.2)
-        return lost_bind
-
     def dead_processes(self) -> list[ClusterProcess]:
         """Children that have exited (none should, while the cluster runs)."""
-        return [p for p in self.procs.values() if p.popen is not None and p.popen.poll() is not None]
+        return self.supervisor.dead()
 
     def check(self) -> None:
         """Raise ClusterError if any child has exited."""
-        dead = self.dead_processes()
-        if dead:
-            raise ClusterError("; ".join(f"{p.name} ({p.address}) {p.describe_exit()}" for p in dead))
+        self.supervisor.check()
 
     def monitor(self, poll_s: float = 0.5) -> None:
         """Block until ``stop_requested`` is set (returns) or a child exits (raises ClusterError)."""
@@ -390,9 +286,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop the router, then every engine: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
-        routers = [p for p in self.procs.values() if p.role == "router"]
-        _terminate(routers, self.grace_s)
-        _terminate(self.engines, self.grace_s)
+        self.supervisor.stop()
         if self._own_log_dir and self.log_dir and not self._failed:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -407,23 +301,6 @@ class LocalCluster:
         )
 
 
-def _terminate(procs: Iterable[ClusterProcess], grace_s: float) -> None:
-    """SIGTERM every live process, wait up to ``grace_s`` for all of them, SIGKILL the rest."""
-    live = [p for p in procs if p.alive]
-    for proc in live:
-        with contextlib.suppress(ProcessLookupError):
-            proc.popen.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in live:
-        if proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.popen.kill()
-            proc.popen.wait()
-
-
 # ---------------------------------------------------------------------- command line
 
 
@@ -436,7 +313,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     parser.add_argument("--port", type=int, default=None, help="router gRPC port (default: a free one)")
     parser.add_argument(
-        "--http-port", type=int, default=None, help="router's OpenAI-compatible HTTP port (http://HOST:PORT/v1)"
+        "--http-port",
+        type=int,
+        default=None,
+        help="router's OpenAI-compatible HTTP port (http://HOST:PORT/v1)",
     )
     parser.add_argument(
         "--base-port",

@@ -111,13 +111,13 @@ def test_bench_serve_writes_plots_and_leaves_no_process(bench_run):
 
 
 def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, monkeypatch, tiny_model_dir):
-    from pdserve import cluster
+    from pdserve import supervisor
 
     with socket.socket() as taken:
         taken.bind((serve.HOST, 0))
         taken.listen()
-        picks = iter([[taken.getsockname()[1]], cluster.pick_free_ports(serve.HOST, 1)])
-        monkeypatch.setattr(cluster, "pick_free_ports", lambda host, count: next(picks))
+        picks = iter([[taken.getsockname()[1]], supervisor.pick_free_ports(serve.HOST, 1)])
+        monkeypatch.setattr(supervisor, "pick_free_ports", lambda host, count: next(picks))
         messages: list[str] = []
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -128,7 +128,7 @@ def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, mon
         with serve.SetupProcesses(str(tmp_path), env, messages.append) as procs:
             (engine,) = procs.start([("engine", argv, None)])
             assert engine.address != f"{serve.HOST}:{taken.getsockname()[1]}"
-            assert cluster.check_health(engine.address)
+            assert supervisor.check_health(engine.address)
             assert procs.children == [engine]
         assert engine.popen.poll() is not None
     assert any("port taken" in m for m in messages)

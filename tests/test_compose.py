@@ -24,14 +24,11 @@ import re
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import redirect_stdout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,7 @@ import yaml
 
 from pdserve import healthcheck
 from pdserve.client import Client
-from pdserve.cluster import pick_free_ports
+from pdserve.supervisor import SupervisedProcess, Supervisor, pick_free_ports
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
@@ -187,20 +184,14 @@ def local_argv(tokens: list[str], service: str, services: set[str], ports: PortM
     return [*programs.get(argv[0], argv[:1]), *argv[1:]]
 
 
-@dataclass
-class LocalService:
-    """One compose service run as a local process."""
+class LocalService(SupervisedProcess):
+    """One compose service run as a local process, healthy when its compose healthcheck passes."""
 
-    name: str
-    argv: list[str]
-    health_argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    popen: subprocess.Popen | None = None
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
-        return "\n".join(lines[-num_lines:])
+    def __init__(
+        self, name: str, argv: list[str], health_argv: list[str], env: dict[str, str], log_path: Path
+    ) -> None:
+        super().__init__(name, argv, log_path, env=env)
+        self.health_argv = health_argv
 
     def healthy(self) -> bool:
         """The compose healthcheck, run as a command, exits 0."""
@@ -223,72 +214,27 @@ def local_services(compose: dict[str, Any], ports: PortMap, log_dir: Path) -> di
     }
 
 
-def wait_healthy(procs: list[LocalService], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    pending = list(procs)
-    while pending:
-        for proc in list(pending):
-            code = proc.popen.poll()
-            assert code is None, f"{proc.name} exited with {code} while starting:\n{proc.log_tail()}"
-            if proc.healthy():
-                pending.remove(proc)
-        if pending:
-            names = ", ".join(p.name for p in pending)
-            assert time.monotonic() < deadline, (
-                f"{names} not healthy after {timeout_s:.0f}s:\n{pending[0].log_tail()}"
-            )
-            time.sleep(HEALTH_POLL_S)
-
-
-def stop(procs: list[LocalService], grace_s: float) -> None:
-    """Like ``docker stop``: SIGTERM, then SIGKILL after the grace period; then whatever is left of its process group."""
-    live = [p for p in procs if p.popen is not None and p.popen.poll() is None]
-    for proc in live:
-        proc.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait()
-    for proc in procs:
-        # Whatever the front leaves behind (its engine core) goes with its container, too.
-        if proc.popen is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def compose_up_locally(
     compose: dict[str, Any], log_dir: Path
 ) -> Iterator[tuple[dict[str, LocalService], PortMap]]:
-    """Start the default services wave by wave, each wave healthy before the next; stop them all at exit."""
+    """Start the default services wave by wave, each wave healthy before the next; stop them all at exit
+    (like ``docker stop``: SIGTERM, then SIGKILL after the wave's stop_grace_period), dependents
+    first, as ``docker compose down`` does."""
     ports = PortMap()
     procs = local_services(compose, ports, log_dir)
-    waves = start_waves(default_services(compose))
-    started: list[LocalService] = []
-    try:
-        for wave in waves:
-            for name in wave:
-                proc = procs[name]
-                with open(proc.log_path, "wb") as log:
-                    proc.popen = subprocess.Popen(
-                        proc.argv,
-                        env=proc.env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                started.append(proc)
-            wait_healthy([procs[name] for name in wave], STARTUP_TIMEOUT_S)
-        yield procs, ports
-    finally:
-        # Dependents first, as `docker compose down` does.
-        for wave in reversed(waves):
+    # Each health check is a process of its own: poll every few seconds, not every 0.2 s.
+    with Supervisor(poll_s=HEALTH_POLL_S) as supervisor:
+        for wave in start_waves(default_services(compose)):
             grace = max(duration_s(compose["services"][n].get("stop_grace_period", "10s")) for n in wave)
-            stop([procs[n] for n in wave if procs[n] in started], grace)
+            supervisor.start(
+                wave,
+                lambda names: [procs[n] for n in names],
+                timeout_s=STARTUP_TIMEOUT_S,
+                retry_lost_port=False,  # the ports are fixed by PortMap
+                grace_s=grace,
+            )
+        yield procs, ports
 
 
 def container_port(service: dict[str, Any], flag: str) -> int:

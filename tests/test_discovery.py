@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,8 +26,8 @@ from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSServer
 
 from pdserve.client import Client
-from pdserve.cluster import check_health, pick_free_ports
 from pdserve.router.discovery import EngineSource
+from pdserve.supervisor import SupervisedProcess, check_health, pick_free_ports, terminate_all, wait_healthy
 from pdserve.v1 import common_pb2, engine_pb2_grpc
 from tests import k8s_manifests
 from tests.cluster_helpers import TINY_ENGINE_ARGS
@@ -71,13 +70,17 @@ class Processes:
         self.log_dir = log_dir
         self.manifests = k8s_manifests.build()
         self.env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": secrets.token_hex(16), "OMP_NUM_THREADS": "1"}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, SupervisedProcess] = {}
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", *argv], stdout=log, stderr=subprocess.STDOUT, env=self.env
+    def start(self, name: str, argv: list[str], address: str) -> SupervisedProcess:
+        proc = SupervisedProcess(
+            name,
+            [sys.executable, "-m", "pdserve", *argv],
+            self.log_dir / f"{name}.log",
+            address=address,
+            env=self.env,
         )
+        proc.spawn()
         self.procs[name] = proc
         return proc
 
@@ -87,14 +90,18 @@ class Processes:
         argv = k8s_manifests.substitute(
             argv, {"--host": ip, "POD_IP": ip, "POD_NAME": f"pdserve-{role}-{ip}", "--num-blocks": "256"}
         )
-        self.start(f"{role}-{ip}", [*argv, "--model", self.model, *TINY_ENGINE_ARGS])
-        return f"{ip}:{ENGINE_PORT}"
+        address = f"{ip}:{ENGINE_PORT}"
+        self.start(f"{role}-{ip}", [*argv, "--model", self.model, *TINY_ENGINE_ARGS], address)
+        return address
 
     def router(self, dns_port: int) -> str:
         """The ``pdserve-router`` Deployment's container, its ports moved to free ones."""
         port, http_port, metrics_port = pick_free_ports("127.0.0.1", 3)
         argv = k8s_manifests.container_argv(self.manifests, "pdserve-router")
-        assert f"--prefill=dns:{PREFILL}:{ENGINE_PORT}" in argv and f"--decode=dns:{DECODE}:{ENGINE_PORT}" in argv
+        assert (
+            f"--prefill=dns:{PREFILL}:{ENGINE_PORT}" in argv
+            and f"--decode=dns:{DECODE}:{ENGINE_PORT}" in argv
+        )
         argv = k8s_manifests.substitute(
             argv,
             {
@@ -103,16 +110,12 @@ class Processes:
             },
         )  # fmt: skip
         extra = ["--model", self.model, "--dns-server", f"127.0.0.1:{dns_port}", "--disagg-min-tokens", "0"]
-        self.start("router", [*argv, *extra])
-        return f"127.0.0.1:{port}"
+        address = f"127.0.0.1:{port}"
+        self.start("router", [*argv, *extra], address)
+        return address
 
     def wait_healthy(self, *addresses: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = set(addresses)
-        while pending and time.monotonic() < deadline:
-            pending = {a for a in pending if not check_health(a, timeout_s=0.5)}
-            time.sleep(0.2)
-        assert not pending, f"not healthy: {pending} ({self.logs()})"
+        wait_healthy([p for p in self.procs.values() if p.address in addresses], timeout_s)
 
     def logs(self) -> str:
         return "\n".join(
@@ -120,15 +123,7 @@ class Processes:
         )
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_all(self.procs.values(), grace_s=30.0)
 
 
 class Traffic:
@@ -147,11 +142,15 @@ class Traffic:
             k = 0
             while not self.stop.is_set():
                 k += 1
-                prompt = self.tokenizer.encode(f"Request {worker}-{k}: the river Seine flows through Paris. " * 2)
+                prompt = self.tokenizer.encode(
+                    f"Request {worker}-{k}: the river Seine flows through Paris. " * 2
+                )
                 try:
                     out = client.generate(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True, timeout=60)
                     assert len(out.token_ids) == 6, out
-                    self.done.append((time.monotonic(), out.metrics["prefill_engine"], out.metrics["decode_engine"]))
+                    self.done.append(
+                        (time.monotonic(), out.metrics["prefill_engine"], out.metrics["decode_engine"])
+                    )
                 except (grpc.RpcError, AssertionError) as exc:
                     self.failures.append(f"{worker}-{k}: {exc}")
 
@@ -194,7 +193,9 @@ def test_engine_sources_parse_static_and_dns_entries():
             EngineSource.parse("decode", bad)
 
 
-def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(tiny_model_dir, tiny_llm, tmp_path):
+def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
+    tiny_model_dir, tiny_llm, tmp_path
+):
     ips = [f"127.0.0.{i}" for i in range(2, 7)]
     zone = Zone()
     zone.set(PREFILL, [ips[0]])
@@ -255,7 +256,9 @@ def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
                 time.sleep(0.2)
             assert _engine_idle(address), address
         with Client(router) as client:
-            assert sorted(s["address"] for s in client.stats()) == sorted([decode_new, decode_repl, prefill_repl])
+            assert sorted(s["address"] for s in client.stats()) == sorted(
+                [decode_new, decode_repl, prefill_repl]
+            )
     finally:
         procs.stop_all()
         dns_server.stop()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
@@ -36,17 +35,17 @@ import secrets
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from pdserve import supervisor
 from pdserve.bench.report import default_path, save_json
 from pdserve.bench.serve_report import (
     REQUEST_KEYS,
@@ -60,6 +59,7 @@ from pdserve.bench.serve_report import (
     request_record,
     summarize,
 )
+from pdserve.supervisor import SupervisedProcess, Supervisor
 
 __all__ = ["REQUEST_KEYS", "ROW_KEYS", "STAGES", "main"]
 
@@ -69,19 +69,6 @@ STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0  # a request still streaming after this counts as failed (DEADLINE_EXCEEDED)
 IDLE_TIMEOUT_S = 60.0
 GRACE_S = 10.0
-
-# Runs in each child before the real command: SIGTERM me when my parent dies, pin me, then exec.
-# PR_SET_PDEATHSIG (1) survives execve; the ppid check covers a parent that died before prctl.
-_CHILD_SHIM = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)\n"
-    "if sys.argv[2]:\n"
-    "    os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(',')})\n"
-    "os.execv(sys.executable, [sys.executable] + sys.argv[3:])\n"
-)
-
 
 # ---------------------------------------------------------------------- workload
 
@@ -174,34 +161,23 @@ class Workload:
 # ---------------------------------------------------------------------- processes
 
 
-@dataclass
-class Child:
-    name: str
-    address: str
-    log_path: str
-    popen: subprocess.Popen
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as log:
-                return "".join(log.readlines()[-num_lines:])
-        except OSError:
-            return ""
-
-
 class SetupProcesses:
     """The engines and router of one setup. ``stop()`` (also on exit of the ``with``) ends them all.
 
-    Each child leads its own process group (its engine core is in it too) and gets SIGTERM from
-    the kernel if this process dies; ``stop()`` sends SIGTERM to each group, then SIGKILL to what
-    is left after a grace period.
+    A ``Supervisor`` runs them: each child is pinned to its cores, leads its own process group
+    (its engine core is in it too) and gets SIGTERM from the kernel if this process dies; each
+    ``start`` is a wave, and ``stop()`` ends the router's wave first, then the engines'.
     """
 
-    def __init__(self, log_dir: str, env: dict[str, str], say) -> None:
+    def __init__(self, log_dir: str, env: dict[str, str], say: Callable[[str], None]) -> None:
         self.log_dir = log_dir
         self.env = env
-        self.say = say
-        self.children: list[Child] = []  # in start order
+        self.supervisor = Supervisor(grace_s=GRACE_S, progress=say)
+
+    @property
+    def children(self) -> list[SupervisedProcess]:
+        """Every child started, in start order (not those that lost their port)."""
+        return self.supervisor.children
 
     def __enter__(self) -> SetupProcesses:
         return self
@@ -209,109 +185,41 @@ class SetupProcesses:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def spawn(self, name: str, argv: list[str], address: str, cpus: set[int] | None) -> Child:
-        log_path = os.path.join(self.log_dir, f"{name}.log")
-        pinned = ",".join(str(c) for c in sorted(cpus)) if cpus else ""
-        command = [sys.executable, "-c", _CHILD_SHIM, str(os.getpid()), pinned, "-m", "pdserve", *argv]
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,  # a Ctrl-C reaches only us; we stop the children in order
-            )
-        child = Child(name, address, log_path, popen)
-        self.children.append(child)
-        self.say(
-            f"started {name} on {address}" + (f" (cpu {pinned})" if pinned else "") + f", log {log_path}"
-        )
-        return child
+    def start(
+        self, members: list[tuple[str, Callable[[int], list[str]], set[int] | None]]
+    ) -> list[SupervisedProcess]:
+        """Start ``(name, argv for a port, cpus)`` members on free ports and wait until they serve
+        (a child whose port was taken first is started again on a new one)."""
 
-    def wait_healthy(self, children: list[Child], timeout_s: float = STARTUP_TIMEOUT_S) -> list[Child]:
-        """Poll until every child is SERVING; returns (and forgets) those that lost their port."""
-        from pdserve.cluster import _BIND_FAILURE_MARKERS, check_health
-
-        pending = list(children)
-        lost_port: list[Child] = []
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            for child in list(pending):
-                if child.popen.poll() is not None:
-                    tail = child.log_tail()
-                    if any(marker in tail.lower() for marker in _BIND_FAILURE_MARKERS):
-                        pending.remove(child)
-                        lost_port.append(child)
-                        self.children.remove(child)
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(child.popen.pid, signal.SIGKILL)  # its engine core, if started
-                        continue
-                    raise RuntimeError(
-                        f"{child.name} exited with code {child.popen.returncode} during start-up:\n{tail}"
-                    )
-                if check_health(child.address, timeout_s=0.5):
-                    pending.remove(child)
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"{', '.join(c.name for c in pending)} not healthy after {timeout_s:.0f}s")
-            if pending:
-                time.sleep(0.2)
-        return lost_port
-
-    def start(self, members: list[tuple[str, Callable[[int], list[str]], set[int] | None]]) -> list[Child]:
-        """Start ``(name, argv for a port, cpus)`` members on free ports and wait until they serve.
-
-        A port picked free can be taken by another process before the child binds it: a child
-        that fails on that is started again on a new port.
-        """
-        from pdserve.cluster import MAX_BIND_ATTEMPTS, pick_free_ports
-
-        started: dict[str, Child] = {}
-        todo, attempt = list(members), 1
-        while True:
-            ports = pick_free_ports(HOST, len(todo))
-            children = [
-                self.spawn(name, build(port), f"{HOST}:{port}", cpus)
-                for (name, build, cpus), port in zip(todo, ports, strict=True)
+        def build(
+            todo: Sequence[tuple[str, Callable[[int], list[str]], set[int] | None]],
+        ) -> list[SupervisedProcess]:
+            ports = supervisor.pick_free_ports(HOST, len(todo))
+            return [
+                SupervisedProcess(
+                    name,
+                    [sys.executable, "-m", "pdserve", *argv(port)],
+                    os.path.join(self.log_dir, f"{name}.log"),
+                    address=f"{HOST}:{port}",
+                    env=self.env,
+                    cpus=cpus,
+                )
+                for (name, argv, cpus), port in zip(todo, ports, strict=True)
             ]
-            lost = {c.name for c in self.wait_healthy(children)}
-            started.update({c.name: c for c in children if c.name not in lost})
-            if not lost:
-                return [started[name] for name, _, _ in members]
-            if attempt == MAX_BIND_ATTEMPTS:
-                raise RuntimeError(f"{', '.join(sorted(lost))}: port taken {attempt} times in a row")
-            self.say(f"{', '.join(sorted(lost))}: port taken by another process, retrying on a new one")
-            todo, attempt = [m for m in todo if m[0] in lost], attempt + 1
+
+        return self.supervisor.start(members, build, timeout_s=STARTUP_TIMEOUT_S)
 
     def check_alive(self) -> None:
-        for child in self.children:
-            if child.popen.poll() is not None:
-                raise RuntimeError(
-                    f"{child.name} exited with code {child.popen.returncode}:\n{child.log_tail()}"
-                )
+        self.supervisor.check()
 
     def stop(self) -> None:
-        """Router first, then the engines: SIGTERM to each process group, SIGKILL after a grace."""
-        for group in (self.children[-1:], self.children[:-1]):
-            live = [c for c in group if c.popen.poll() is None]
-            for child in live:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.popen.pid, signal.SIGTERM)
-            deadline = time.monotonic() + GRACE_S
-            for child in live:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            for child in group:
-                # Also the group's leftovers (an engine core whose front has already gone).
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.popen.pid, signal.SIGKILL)
-                child.popen.wait()
-        self.children.clear()
+        """Router first, then the engines: SIGTERM, SIGKILL to each process group after a grace."""
+        self.supervisor.stop()
 
 
 def start_setup(
     setup: str, procs: SetupProcesses, args: argparse.Namespace, cpus: list[int]
-) -> tuple[list[Child], str | None]:
+) -> tuple[list[SupervisedProcess], str | None]:
     """Start the engines of ``setup`` pinned one per core, then its router: ([engine, engine,
     router], the router's OpenAI API URL when an ``--api`` needs it)."""
     model = ["--model", args.model] if args.model else []
@@ -341,9 +249,7 @@ def start_setup(
     def router_argv(port: int) -> list[str]:
         argv = ["router", "--host", HOST, "--port", str(port), *model, "--policy", "round_robin", *upstream]
         if "openai" in apis(args):
-            from pdserve.cluster import pick_free_ports
-
-            (http_port,) = pick_free_ports(HOST, 1)
+            (http_port,) = supervisor.pick_free_ports(HOST, 1)
             http_url[:] = [f"http://{HOST}:{http_port}/v1"]
             argv += ["--http-port", str(http_port)]
         return argv
@@ -527,10 +433,14 @@ def run_setup(
     for i, rate in enumerate(args.rates, start=1):
         wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
         specs = workload.draw(args.num_requests, rate, stream=i)
-        desc = f"{setup} @ {rate:g} req/s" + (" (gRPC and OpenAI API alternating)" if args.api == "both" else "")
+        desc = f"{setup} @ {rate:g} req/s" + (
+            " (gRPC and OpenAI API alternating)" if args.api == "both" else ""
+        )
         with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
             if args.api == "both":
-                per_api = dict(zip(apis(args), asyncio.run(send_both(specs, f"{setup}-{rate:g}", bar)), strict=True))
+                per_api = dict(
+                    zip(apis(args), asyncio.run(send_both(specs, f"{setup}-{rate:g}", bar)), strict=True)
+                )
             else:
                 per_api = {args.api: asyncio.run(send_async(args.api, specs, f"{setup}-{rate:g}", bar))}
         procs.check_alive()
@@ -539,7 +449,9 @@ def run_setup(
             records = [request_record(label, rate, r, args) for r in results]
             run.rows.append(summarize(label, rate, results, records))
             run.records += records
-            run.samples[(label, rate, "ttft")] = [rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None]
+            run.samples[(label, rate, "ttft")] = [
+                rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None
+            ]
             run.samples[(label, rate, "itl")] = [g for r in results if r.error is None for g in r.itls_ms()]
             errors = sorted({r.error for r in results if r.error})
             if errors:

@@ -2,8 +2,9 @@
 
 A ``TestCluster`` starts each engine as its own process (``engine_launcher``: the real engine
 server, plus an optional tcp fault) and any number of routers in front of any subset of
-them, each on ports picked at run time. Tests can kill -9, freeze (SIGSTOP) and restart a
-process on the same address. Every wait is bounded: a timeout is a test failure, never a hang.
+them, each on ports picked at run time. ``Proc`` is a ``pdserve.supervisor`` process that tests
+can also kill -9, freeze (SIGSTOP), thaw and restart on the same address. Every wait is bounded:
+a timeout is a test failure, never a hang.
 """
 
 from __future__ import annotations
@@ -15,20 +16,18 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from pdserve.cluster import check_health, pick_free_ports
+from pdserve.supervisor import SupervisedProcess, check_health, pick_free_ports, terminate_all, wait_healthy
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from tests.text_corpus import long_text
 
@@ -51,15 +50,6 @@ CALL_TIMEOUT_S = 60.0
 # Idle within the lease: the lease, plus the engines' poll and the router's 2 s abort timeout.
 IDLE_WITHIN_S = LEASE_MS / 1000 + 8.0
 STARTUP_TIMEOUT_S = 300.0
-
-# Runs before the real command: SIGTERM this child when the test process goes away, then exec.
-_PDEATHSIG_SHIM = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)\n"
-    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])\n"
-)
 
 
 def free_ports(count: int) -> list[int]:
@@ -84,55 +74,30 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: 
 # ---------------------------------------------------------------------- processes
 
 
-@dataclass(eq=False)
-class Proc:
-    """One process of a test cluster (an engine's front, which owns its core, or a router)."""
+class Proc(SupervisedProcess):
+    """One process of a test cluster (an engine's front, which owns its core, or a router):
+    a supervised process the tests can also kill -9, freeze and restart on the same address."""
 
-    name: str
-    role: str  # "prefill", "decode" or "router"
-    port: int
-    argv: list[str]  # after the interpreter
-    log_path: str
-    env: dict[str, str] = field(repr=False)
-    kv_port: int | None = None  # a prefill engine's KV side-channel port
-    metrics_port: int | None = None  # a router's Prometheus port
-    popen: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def spawn(self) -> None:
-        assert not self.alive, f"{self.name} is already running"
-        with open(self.log_path, "ab") as log:
-            # Own session: a kill of the process group takes the front and its core together.
-            self.popen = subprocess.Popen(
-                [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *self.argv],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=REPO_ROOT,
-                start_new_session=True,
-            )
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        port: int,
+        argv: list[str],
+        log_path: str,
+        env: dict[str, str],
+        kv_port: int | None = None,
+    ) -> None:
+        super().__init__(
+            name, [sys.executable, *argv], log_path, address=f"{HOST}:{port}", env=env, cwd=REPO_ROOT
+        )
+        self.role = role  # "prefill", "decode" or "router"
+        self.port = port
+        self.kv_port = kv_port  # a prefill engine's KV side-channel port
+        self.metrics_port: int | None = None  # a router's Prometheus port
 
     def wait_serving(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not serving(self.address):
-            if not self.alive:
-                raise AssertionError(f"{self.name} exited during start-up:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} not serving after {timeout_s:.0f}s:\n{self.log_tail()}")
-            time.sleep(0.2)
+        wait_healthy([self], timeout_s)
 
     def group_pids(self) -> list[int]:
         """The front and everything in its process group (the engine core)."""
@@ -152,19 +117,24 @@ class Proc:
 
     def kill9(self) -> None:
         """kill -9 of the front and its engine core at once."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        assert self.popen is not None
-        self.popen.wait(timeout=30)
+        self.signal_group(signal.SIGKILL)
+        self.wait(timeout=30)
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole engine (front and core): it answers nothing until thawed."""
+        self.signal_group(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal_group(signal.SIGCONT)
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
-        """SIGSTOP the whole engine (front and core) for the duration of the block."""
-        os.killpg(self.pid, signal.SIGSTOP)
+        """The whole engine frozen for the duration of the block."""
+        self.freeze()
         try:
             yield
         finally:
-            os.killpg(self.pid, signal.SIGCONT)
+            self.thaw()
 
     @contextlib.contextmanager
     def core_frozen(self) -> Iterator[None]:
@@ -188,23 +158,10 @@ class Proc:
         self.wait_serving(timeout_s)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if not self.alive:
-            return
-        assert self.popen is not None
-        self.popen.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.popen.wait(timeout=30)
-
-    def log_text(self) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as log:
-            return log.read()
-        return ""
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        return "".join(self.log_text().splitlines(keepends=True)[-num_lines:])
+        """SIGTERM, then SIGKILL (of its group too) after ``grace_s``."""
+        if self.alive:
+            self.thaw()  # a frozen process can't exit
+        self.terminate(grace_s)
 
 
 class TestCluster:
@@ -290,16 +247,14 @@ class TestCluster:
             proc.wait_serving(max(1.0, deadline - time.monotonic()))
 
     def close(self) -> None:
+        """The routers, then the engines: each set stopped together (SIGTERM, SIGKILL after 10 s)."""
         routers = [p for p in self.procs.values() if p.role == "router"]
         engines = [p for p in self.procs.values() if p.role != "router"]
         for group in (routers, engines):
             for proc in group:
                 if proc.alive:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGCONT)  # a frozen process can't exit
-                    proc.popen.terminate()
-            for proc in group:
-                proc.stop()
+                    proc.thaw()  # a frozen process can't exit
+            terminate_all(group, grace_s=10.0)
         if not self.failed:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
