@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.engine.outputs import SchedulerStats
 from pdserve.engine.request import SamplingParams
 from pdserve.v1 import common_pb2
 
@@ -82,21 +83,21 @@ def kv_params_to_proto(params: dict[str, Any] | None) -> common_pb2.KVTransferPa
     return common_pb2.KVTransferParams(remote_block_ids=list(params.get("remote_block_ids", [])), **fields)
 
 
-def engine_stats_to_proto(stats: dict[str, Any], role: str, address: str, healthy: bool) -> common_pb2.EngineStats:
-    connector = stats.get("kv_connector") or {}
+def engine_stats_to_proto(stats: SchedulerStats, role: str, address: str, healthy: bool) -> common_pb2.EngineStats:
+    connector = stats.kv_connector  # the connector's own counters: none without a connector
     return common_pb2.EngineStats(
         role=role,
         address=address,
-        kv_usage=float(stats.get("kv_cache_usage", 0.0)),
-        num_running=int(stats.get("num_running_reqs", 0)),
-        num_waiting=int(stats.get("num_waiting_reqs", 0)),
-        num_waiting_for_remote_kvs=int(stats.get("num_waiting_for_remote_kvs", 0)),
-        num_held_blocks=int(stats.get("num_held_blocks", 0)),
+        kv_usage=stats.kv_cache_usage,
+        num_running=stats.num_running_reqs,
+        num_waiting=stats.num_waiting_reqs,
+        num_waiting_for_remote_kvs=stats.num_waiting_for_remote_kvs,
+        num_held_blocks=stats.num_held_blocks,
         healthy=healthy,
         num_blocks_pulled=int(connector.get("num_blocks_pulled", 0)),
         num_loads_failed=int(connector.get("num_loads_failed", 0)),
         num_leases_expired=int(connector.get("num_leases_expired", 0)),
-        prefix_cache_queries=int(stats.get("prefix_cache_queries", 0)),
-        prefix_cache_hits=int(stats.get("prefix_cache_hits", 0)),
-        num_preemptions=int(stats.get("num_preemptions", 0)),
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_preemptions=stats.num_preemptions,
     )

@@ -2,7 +2,8 @@
 
 The front binds two ZMQ IPC sockets in a private temporary directory and starts the core as a
 subprocess. Its configuration (which may hold the cluster token) goes to the child's stdin, not
-its command line, so ``ps`` does not show it; nothing but msgpack crosses the sockets.
+its command line, so ``ps`` does not show it; only the typed messages of ``messages`` cross
+the sockets.
 
 As in vLLM's ``v1/engine/core_client.py``: ``MPClient`` owns the process, the sockets, the
 messages sent and the handling of every message the core sends back; ``EngineCoreClient``
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -30,7 +32,7 @@ import zmq.asyncio
 
 from pdserve.engine import messages
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class MPClient(Generic[_Sent]):
         self.outputs = ctx.socket(zmq.PULL)
         self._ipc_dir, self.proc = spawn_core(config, self.inputs, self.outputs, env, log_level)
         self._nonces = itertools.count()
-        self.info: dict[str, Any] | None = None
+        self.info: messages.CoreInfo | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -104,42 +106,40 @@ class MPClient(Generic[_Sent]):
         priority: int = 0,
     ) -> _Sent:
         return self._send(
-            {
-                "type": messages.ADD,
-                "request_id": request_id,
-                "prompt_token_ids": list(prompt_token_ids),
-                "sampling_params": messages.sampling_to_dict(sampling_params),
-                "kv_transfer_params": kv_transfer_params,
-                "priority": priority,
-                "arrival_time": time.time(),
-            }
+            messages.AddRequest(
+                request_id=request_id,
+                prompt_token_ids=list(prompt_token_ids),
+                sampling_params=sampling_params,
+                kv_transfer_params=kv_transfer_params,
+                priority=priority,
+                arrival_time=time.time(),
+            )
         )
 
     def abort(self, request_ids: list[str]) -> _Sent:
-        return self._send({"type": messages.ABORT, "request_ids": list(request_ids)})
+        return self._send(messages.Abort(list(request_ids)))
 
-    def _query(self, kind: str) -> tuple[int, dict[str, Any]]:
-        """A request the core answers with a reply carrying the same nonce (stats, ...)."""
-        nonce = next(self._nonces)
-        return nonce, {"type": kind, "nonce": nonce}
+    def _query(self, query_type: type[messages.Query]) -> messages.Query:
+        """A query the core answers with a reply carrying the same nonce."""
+        return query_type(nonce=next(self._nonces))
 
     # ------------------------------------------------------------------ what the core sends
 
     def _dispatch(self, data: bytes) -> None:
         """Decode one message from the core (ValueError if malformed) and hand it on."""
-        message = messages.decode(data)
-        if message["type"] == messages.OUTPUTS:
-            self._on_outputs([messages.output_from_dict(o) for o in message["outputs"]])
-        elif message["type"] == messages.STATS_REPLY:
-            self._on_reply(message.get("nonce"), message)
-        elif message["type"] == messages.READY:
-            self.info = message["info"]
+        message = messages.decode_from_core(data)
+        if isinstance(message, messages.Outputs):
+            self._on_outputs(message.outputs)
+        elif isinstance(message, messages.Ready):
+            self.info = message.info
             self._on_ready()
+        else:
+            self._on_reply(message)
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         raise NotImplementedError
 
-    def _on_reply(self, nonce: Any, reply: dict[str, Any]) -> None:
+    def _on_reply(self, reply: messages.Reply) -> None:
         raise NotImplementedError
 
     def _on_ready(self) -> None:
@@ -147,7 +147,7 @@ class MPClient(Generic[_Sent]):
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, message: dict[str, Any]) -> _Sent:
+    def _send(self, message: messages.FrontMessage) -> _Sent:
         raise NotImplementedError
 
     def _exit_error(self) -> EngineCoreError | None:
@@ -159,7 +159,7 @@ class MPClient(Generic[_Sent]):
         return EngineCoreError(f"engine core exited with code {code}{during}")
 
     def _shutdown_message(self) -> bytes:
-        return messages.encode({"type": messages.SHUTDOWN})
+        return messages.encode(messages.Shutdown())
 
     def _release(self) -> None:
         """Kill the core if it is still running; close the sockets and the IPC directory."""
@@ -191,7 +191,7 @@ class EngineCoreClient(MPClient[None]):
     ) -> None:
         super().__init__(config, zmq.Context(), env, log_level)
         self._buffered: list[EngineCoreOutput] = []
-        self._replies: dict[int, dict[str, Any] | None] = {}  # {nonce: reply, None until it arrives}
+        self._replies: dict[int, messages.Reply | None] = {}  # {nonce: reply, None until it arrives}
         try:
             if not self._read_until(lambda: self.info is not None, startup_timeout_s):
                 raise EngineCoreError(f"engine core not ready after {startup_timeout_s:.0f}s")
@@ -213,22 +213,30 @@ class EngineCoreClient(MPClient[None]):
             self._check_alive()
         return outputs
 
-    def call(self, kind: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        """A request/reply (stats, reset_prefix_cache); outputs that arrive meanwhile are kept."""
-        nonce, query = self._query(kind)
-        self._replies[nonce] = None
+    def call(self, query_type: type[messages.Query], timeout_s: float = 10.0) -> messages.Reply:
+        """Send a query and wait for its reply; outputs that arrive meanwhile are kept."""
+        query = self._query(query_type)
+        self._replies[query.nonce] = None
         try:
             self._send(query)
-            if not self._read_until(lambda: self._replies[nonce] is not None, timeout_s):
-                raise EngineCoreError(f"no reply to {kind!r} within {timeout_s}s")
-            reply = self._replies[nonce]
+            if not self._read_until(lambda: self._replies[query.nonce] is not None, timeout_s):
+                raise EngineCoreError(f"no reply to {query.TYPE!r} within {timeout_s}s")
+            reply = self._replies[query.nonce]
             assert reply is not None
             return reply
         finally:
-            del self._replies[nonce]
+            del self._replies[query.nonce]
 
     def stats(self) -> dict[str, Any]:
-        return self.call(messages.STATS)["stats"]
+        """Every ``SchedulerStats`` field by name (a field that does not exist is a KeyError)."""
+        reply = self.call(messages.StatsQuery)
+        assert isinstance(reply, messages.StatsReply)
+        return dataclasses.asdict(reply.stats)
+
+    def reset_prefix_cache(self) -> bool:
+        reply = self.call(messages.ResetPrefixCache)
+        assert isinstance(reply, messages.ResetPrefixCacheReply)
+        return reply.ok
 
     def generate(
         self,
@@ -264,9 +272,9 @@ class EngineCoreClient(MPClient[None]):
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self._buffered.extend(outputs)
 
-    def _on_reply(self, nonce: Any, reply: dict[str, Any]) -> None:
-        if nonce in self._replies:  # else a reply to a call that timed out
-            self._replies[nonce] = reply
+    def _on_reply(self, reply: messages.Reply) -> None:
+        if reply.nonce in self._replies:  # else a reply to a call that timed out
+            self._replies[reply.nonce] = reply
 
     def _read(self, timeout_ms: int) -> bool:
         """Dispatch one message from the core if one comes within ``timeout_ms`` (-1: forever)."""
@@ -285,7 +293,7 @@ class EngineCoreClient(MPClient[None]):
                 self._check_alive()
         return True
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: messages.FrontMessage) -> None:
         self._check_alive()
         self.inputs.send(messages.encode(message))
 
@@ -320,12 +328,12 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
     ) -> None:
         super().__init__(config, zmq.asyncio.Context(), env, log_level)
         self._streams: dict[str, asyncio.Queue[EngineCoreOutput]] = {}  # {request_id: its outputs}
-        self._replies: dict[int, asyncio.Future] = {}  # {nonce: reply future}
+        self._replies: dict[int, asyncio.Future[messages.Reply]] = {}  # {nonce: reply future}
         self._ready: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
         self.dead = False
 
-    async def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
+    async def start(self, timeout_s: float = 600.0) -> messages.CoreInfo:
         """Wait for the core's READY (model loaded); outputs are routed from then on."""
         self._ready = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read_messages(), name="core-outputs")
@@ -376,18 +384,25 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    async def call(self, kind: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        nonce, query = self._query(kind)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._replies[nonce] = future
+    async def call(self, query_type: type[messages.Query], timeout_s: float = 10.0) -> messages.Reply:
+        query = self._query(query_type)
+        future: asyncio.Future[messages.Reply] = asyncio.get_running_loop().create_future()
+        self._replies[query.nonce] = future
         try:
             await self._send(query)
             return await asyncio.wait_for(future, timeout_s)
         finally:
-            self._replies.pop(nonce, None)
+            self._replies.pop(query.nonce, None)
 
-    async def stats(self) -> dict[str, Any]:
-        return (await self.call(messages.STATS))["stats"]
+    async def stats(self) -> SchedulerStats:
+        reply = await self.call(messages.StatsQuery)
+        assert isinstance(reply, messages.StatsReply)
+        return reply.stats
+
+    async def reset_prefix_cache(self) -> bool:
+        reply = await self.call(messages.ResetPrefixCache)
+        assert isinstance(reply, messages.ResetPrefixCacheReply)
+        return reply.ok
 
     # ------------------------------------------------------------------ plumbing
 
@@ -397,8 +412,8 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
             if queue is not None:
                 queue.put_nowait(output)
 
-    def _on_reply(self, nonce: Any, reply: dict[str, Any]) -> None:
-        future = self._replies.pop(nonce, None)
+    def _on_reply(self, reply: messages.Reply) -> None:
+        future = self._replies.pop(reply.nonce, None)
         if future is not None and not future.done():
             future.set_result(reply)
 
@@ -406,7 +421,7 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         if self._ready is not None and not self._ready.done():
             self._ready.set_result(None)
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: messages.FrontMessage) -> None:
         if self.dead or self.proc.poll() is not None:
             raise EngineCoreError("engine core is not running")
         await self.inputs.send(messages.encode(message))

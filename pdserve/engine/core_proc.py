@@ -52,11 +52,11 @@ class CoreServer:
         self.parent_pid = os.getppid()
         self.stopping = False
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: messages.CoreMessage) -> None:
         self.outputs.send(messages.encode(message))
 
     def emit(self, outputs: list[EngineCoreOutput]) -> None:
-        self.send({"type": messages.OUTPUTS, "outputs": [messages.output_to_dict(o) for o in outputs]})
+        self.send(messages.Outputs(outputs))
 
     def receive(self, timeout: float | None) -> list[Any]:
         if os.getppid() != self.parent_pid:
@@ -68,41 +68,35 @@ class CoreServer:
         while self.poller.poll(wait_ms):
             wait_ms = 0
             try:
-                message = messages.decode(self.inputs.recv())
-                item = self._translate(message)
-            except (ValueError, TypeError, KeyError) as exc:
+                item = self._translate(messages.decode_from_front(self.inputs.recv()))
+            except ValueError as exc:
                 logger.warning("dropped malformed input: %s", exc)
                 continue
             if item is not None:
                 items.append(item)
         return items
 
-    def _translate(self, message: dict[str, Any]) -> Any:
-        kind = message["type"]
-        if kind == messages.ADD:
-            request = EngineCoreRequest(
-                request_id=message["request_id"],
-                prompt_token_ids=list(message["prompt_token_ids"]),
-                sampling_params=messages.sampling_from_dict(message.get("sampling_params") or {}),
-                arrival_time=message.get("arrival_time"),
-                priority=int(message.get("priority", 0)),
-                kv_transfer_params=message.get("kv_transfer_params"),
+    def _translate(self, message: messages.FrontMessage) -> EngineCoreRequest | AbortRequests | None:
+        """The loop's input for a request or an abort; queries are answered here (None)."""
+        if isinstance(message, messages.AddRequest):
+            return EngineCoreRequest(
+                request_id=message.request_id,
+                prompt_token_ids=message.prompt_token_ids,
+                sampling_params=message.sampling_params,
+                arrival_time=message.arrival_time,
+                priority=message.priority,
+                kv_transfer_params=message.kv_transfer_params,
             )
-            return request
-        if kind == messages.ABORT:
-            return AbortRequests(list(message["request_ids"]))
-        if kind == messages.STATS:
-            stats = messages.stats_to_dict(self.core.stats())
-            self.send({"type": messages.STATS_REPLY, "stats": stats, "nonce": message.get("nonce")})
-            return None
-        if kind == messages.RESET_PREFIX_CACHE:
+        if isinstance(message, messages.Abort):
+            return AbortRequests(message.request_ids)
+        if isinstance(message, messages.StatsQuery):
+            self.send(messages.StatsReply(nonce=message.nonce, stats=self.core.stats()))
+        elif isinstance(message, messages.ResetPrefixCache):
             ok = self.core.scheduler.reset_prefix_cache()
-            self.send({"type": messages.STATS_REPLY, "reset": ok, "nonce": message.get("nonce")})
-            return None
-        if kind == messages.SHUTDOWN:
+            self.send(messages.ResetPrefixCacheReply(nonce=message.nonce, ok=ok))
+        elif isinstance(message, messages.Shutdown):
             self.stopping = True
-            return None
-        raise ValueError(f"unknown message type {kind!r}")
+        return None
 
     def serve(self) -> None:
         self.core.run_busy_loop(self.receive, self.emit, lambda: self.stopping)
@@ -121,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s core[%(process)d] %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s core[%(process)d] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
@@ -129,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         core = build_engine_core(config)
         server = CoreServer(core, args.input, args.output)
-        info = {
-            "vocab_size": core.vocab_size,
-            "eos_token_id": core.eos_token_id,
-            "max_model_len": config.scheduler.max_model_len,
-            "num_blocks": config.cache.num_blocks,
-            "block_size": config.cache.block_size,
-            "connector": core.connector.describe() if core.connector is not None else None,
-        }
-        server.send({"type": messages.READY, "info": info})
+        info = messages.CoreInfo(
+            vocab_size=core.vocab_size,
+            eos_token_id=core.eos_token_id,
+            max_model_len=config.scheduler.max_model_len,
+            num_blocks=config.cache.num_blocks,
+            block_size=config.cache.block_size,
+            connector=core.connector.describe() if core.connector is not None else None,
+        )
+        server.send(messages.Ready(info))
         logger.info("engine core ready (%s)", info)
         server.serve()
     finally:

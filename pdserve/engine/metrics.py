@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 
 
 class EngineMetrics:
@@ -39,13 +37,14 @@ class EngineMetrics:
         if output.finish_reason:
             self.finished.labels(**self._labels, finish_reason=output.finish_reason).inc()
 
-    def observe_stats(self, stats: dict[str, Any]) -> None:
-        connector = stats.get("kv_connector") or {}
-        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
-        self.running.set(stats.get("num_running_reqs", 0))
-        self.waiting.set(stats.get("num_waiting_reqs", 0))
-        self.waiting_remote.set(stats.get("num_waiting_for_remote_kvs", 0))
-        self.held_blocks.set(stats.get("num_held_blocks", 0))
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.waiting_remote.set(stats.num_waiting_for_remote_kvs)
+        self.held_blocks.set(stats.num_held_blocks)
+        # The connector's own counters: none without a connector (a colocated engine).
+        connector = stats.kv_connector
         self.blocks_pulled.set(connector.get("num_blocks_pulled", 0))
         self.loads_failed.set(connector.get("num_loads_failed", 0))
         self.leases_expired.set(connector.get("num_leases_expired", 0))

@@ -43,8 +43,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.role = role
         self.address = address
         self.metrics = metrics
-        self.vocab_size = int(core.info["vocab_size"])
-        self.max_model_len = int(core.info["max_model_len"])
+        assert core.info is not None, "start the core client first"
+        self.info = core.info
+        self.vocab_size = core.info.vocab_size
+        self.max_model_len = core.info.max_model_len
         self.draining = False  # SIGTERM: refuse new requests, finish the running ones
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
@@ -110,16 +112,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_stats_to_proto(stats, self.role, self.address, healthy=not self.core.dead)
 
     async def Info(self, request: engine_pb2.InfoRequest, context: grpc.aio.ServicerContext):
-        info = self.core.info
-        connector = info.get("connector") or {}
+        info = self.info
+        connector = info.connector or {}
         return engine_pb2.EngineInfo(
             role=self.role,
             model=str(self.core.config.model.path or "bundled:SmolLM2-135M-Instruct"),
             vocab_size=self.vocab_size,
-            eos_token_id=int(info.get("eos_token_id") if info.get("eos_token_id") is not None else -1),
+            eos_token_id=info.eos_token_id if info.eos_token_id is not None else -1,
             max_model_len=self.max_model_len,
-            block_size=int(info["block_size"]),
-            num_blocks=int(info["num_blocks"]),
+            block_size=info.block_size,
+            num_blocks=info.num_blocks,
             engine_id=str(connector.get("engine_id", "")),
             kv_transport=str(connector.get("transport") or ""),
         )
@@ -169,8 +171,10 @@ async def drain(
         except (EngineCoreError, TimeoutError):
             break
         busy = {
-            key: int(stats.get(key, 0))
-            for key in ("num_running_reqs", "num_waiting_reqs", "num_waiting_for_remote_kvs", "num_held_blocks")
+            "running": stats.num_running_reqs,
+            "waiting": stats.num_waiting_reqs,
+            "waiting_for_remote_kvs": stats.num_waiting_for_remote_kvs,
+            "held_blocks": stats.num_held_blocks,
         }
         if not any(busy.values()):
             logger.info("drained: nothing running or held")
