@@ -10,6 +10,7 @@ UNAVAILABLE rather than a hang; bad input must give INVALID_ARGUMENT with a clea
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
 import re
@@ -48,9 +49,16 @@ def expected(tiny_llm, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def trace_file(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("trace") / "trace.jsonl")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, trace_file):
     """1 prefill + 1 decode (transport ``auto``): shared by every test that leaves it intact."""
-    with LocalCluster(1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS) as c:
+    with LocalCluster(
+        1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS, router_args=["--trace-file", trace_file]
+    ) as c:
         yield c
 
 
@@ -164,6 +172,51 @@ def test_2p2d_greedy_matches_colocated_and_spreads_over_engines(tiny_model_dir, 
 
 
 # ---------------------------------------------------------------------- streaming order
+
+
+# A disaggregated request's events in causal order (one host, one clock): each one happens
+# because of the one before it.
+HANDOVER_EVENTS = [
+    "router.receive",
+    "prefill.front_received",
+    "prefill.received",
+    "prefill.admitted",
+    "prefill.scheduled",
+    "prefill.first_token",
+    "prefill.finished",
+    "prefill.lease_registered",
+    "router.first_token",
+    "router.prefill_answer",
+    "decode.front_received",
+    "decode.received",
+    "decode.admitted",
+    "decode.pull_start",
+    "decode.pull_end",
+    "decode.released",
+    "decode.load_done",
+    "decode.scheduled",
+    "decode.first_token",
+    "router.decode_first_token",
+    "router.done",
+]
+
+
+def test_final_message_and_trace_file_carry_the_handover_timeline_in_order(client, tiny_llm, trace_file):
+    out = client.generate(
+        prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer), max_tokens=4, ignore_eos=True, timeout=CALL_TIMEOUT_S
+    )
+    timeline = out.metrics["timeline_ms"]
+    assert out.metrics["decode_engine"] and out.metrics["prefill_engine"], out.metrics
+    assert [e for e in HANDOVER_EVENTS if e not in timeline] == []
+    times = [timeline[e] for e in HANDOVER_EVENTS]
+    assert times == sorted(times), sorted(timeline.items(), key=lambda item: item[1])
+    assert timeline["router.receive"] == 0.0
+    # Not in the causal chain above: decode may finish before its first token reaches the router.
+    assert timeline["decode.first_token"] <= timeline["decode.finished"] <= timeline["router.done"]
+    with open(trace_file) as f:
+        traces = {record["request_id"]: record for record in map(json.loads, f)}
+    assert set(traces[out.request_id]["timeline_ms"]) == set(timeline)
+    assert traces[out.request_id]["decode_engine"] == out.metrics["decode_engine"]
 
 
 def test_first_token_reaches_client_while_decode_engine_is_frozen(client, cluster, tiny_llm):
