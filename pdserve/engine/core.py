@@ -170,10 +170,25 @@ class EngineCore:
         (``admit_remote_loads``); aborts taken in then are handled right after the step, since
         the step in flight may be computing the very request.
         """
-        if self.connector is not None:
+        remove_hook = (
             self.runner.call_between_layers(
                 lambda: self._take_inputs_mid_step(receive, emit), LAYERS_PER_INPUT_POLL
             )
+            if self.connector is not None
+            else None
+        )
+        try:
+            self._serve(receive, emit, should_stop)
+        finally:
+            if remove_hook is not None:
+                remove_hook()
+
+    def _serve(
+        self,
+        receive: Callable[[float | None], list[Any]],
+        emit: Callable[[list[EngineCoreOutput]], None],
+        should_stop: Callable[[], bool],
+    ) -> None:
         while not should_stop():
             if self._deferred_inputs or self.scheduler.has_requests():
                 timeout = 0.0

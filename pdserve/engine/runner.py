@@ -67,21 +67,26 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
 
-    def call_between_layers(self, callback: Callable[[], None], every: int) -> None:
+    def call_between_layers(self, callback: Callable[[], None], every: int) -> Callable[[], None]:
         """Call ``callback`` before every ``every``-th decoder layer of each forward pass.
 
         The engine core uses it to take in new requests while a long step runs, so that a
         decode request's KV pull starts mid-step (see ``Scheduler.admit_remote_loads``). The
         callback runs on the engine thread, between two layers: it must not touch the tensors
-        of the step in flight.
+        of the step in flight. Returns a function that removes the callback again.
         """
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         if layers is None:
-            return
+            return lambda: None
         # Every ``every``-th layer after the first; a shallow model still gets one call mid-pass.
         chosen = list(layers)[every::every] or list(layers)[len(layers) // 2 :][:1]
-        for layer in chosen:
-            layer.register_forward_pre_hook(lambda module, args: callback())
+        handles = [layer.register_forward_pre_hook(lambda module, args: callback()) for layer in chosen]
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        return remove
 
     # ------------------------------------------------------------------ state mirror
 
