@@ -162,7 +162,7 @@ class Request:
     # Chained prefix-cache hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list = field(default_factory=list, init=False)
     # {event: unix time} of life-cycle events not yet sent out with an output (the router
-    # assembles them into the request's timeline; see pdserve/engine/timeline.py).
+    # assembles them into RequestMetrics.timeline_ms; see docs/architecture.md).
     timeline: dict[str, float] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
