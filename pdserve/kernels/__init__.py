@@ -64,13 +64,19 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    impl = (
-        _triton().paged_attention_prefill
-        if use_triton(kv_cache_layer)
-        else reference.paged_attention_prefill_ref
+    """``key``/``value``: the chunks' new K/V. The reference attends a chunk with no cached
+    prefix over them directly (causal fast path); the Triton kernel reads everything from the
+    cache and ignores them."""
+    if use_triton(kv_cache_layer):
+        return _triton().paged_attention_prefill(
+            query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale
+        )
+    return reference.paged_attention_prefill_ref(
+        query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale, key=key, value=value
     )
-    return impl(query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale)
 
 
 def gather_blocks(

@@ -78,6 +78,32 @@ def paged_attention_decode_ref(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+def causal_self_attention_ref(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]: one chunk starting at position 0
+    key: torch.Tensor,  # [q_len, num_kv_heads, head_dim]: that chunk's own K
+    value: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim] (a strided view)
+    """Causal attention of a chunk with no cached prefix, over its own K/V.
+
+    Such a chunk attends to nothing but itself, so its contiguous new K/V are the whole context:
+    no gather from the paged cache is needed, and ``is_causal=True`` replaces the explicit mask.
+    That matters on CPU: with a mask, SDPA runs its math path (the full [heads, q, L] score
+    matrix, ~4x slower at 512 tokens); with ``is_causal`` and no mask it runs the flash kernel,
+    which also skips the upper triangle. ``enable_gqa`` lets query heads share KV heads without a
+    repeated copy; it is the call transformers makes for an unpadded prompt, so both round alike.
+    """
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
+        key.transpose(0, 1).unsqueeze(0),  # [1, Hkv, q, D]
+        value.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
 def paged_attention_prefill_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: query chunks, concatenated
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
@@ -85,11 +111,17 @@ def paged_attention_prefill_ref(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: chunk boundaries in `query`
     seq_lens: torch.Tensor,  # [num_seqs] int32: context length including the chunk
     scale: float,
+    key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new K
+    value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new V
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each query chunk over its cached prefix and itself.
 
     Query token ``i`` of a chunk of length ``q`` sits at position ``seq_len - q + i`` and attends
     to positions ``<= seq_len - q + i``. The chunk's own K/V must already be in the cache.
+
+    When ``key``/``value`` (the step's new K/V, laid out like ``query``) are given, a chunk that
+    starts at position 0 (no cached prefix) takes ``causal_self_attention_ref`` on them instead:
+    same result, no gather and no explicit mask.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
@@ -101,6 +133,15 @@ def paged_attention_prefill_ref(
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
         if q_len == 0:
+            continue
+        if key is not None and value is not None and q_len == seq_len:
+            # Round K/V to the cache dtype as the gathered path would see them.
+            out[q_start:q_end] = causal_self_attention_ref(
+                query[q_start:q_end].to(kv_cache_layer.dtype),
+                key[q_start:q_end].to(kv_cache_layer.dtype),
+                value[q_start:q_end].to(kv_cache_layer.dtype),
+                scale,
+            ).to(query.dtype)
             continue
         keys, values = _gather_context(
             kv_cache_layer, block_tables[seq], (seq_len + block_size - 1) // block_size

@@ -34,7 +34,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Write this step's K/V into the cache, then attend: decodes batched, prefills causally."""
+    """Write this step's K/V into the cache, then attend: decodes batched, prefills causally.
+
+    The new K/V also go to the prefill op, so a chunk with no cached prefix can attend over them
+    directly instead of reading them back from the cache (see ``causal_self_attention_ref``).
+    """
     kernels.reshape_and_cache(key, value, kv_cache_layer, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
     if num_decode == query.shape[0]:
@@ -49,6 +53,8 @@ def paged_attention(
             meta.prefill_query_start_loc,
             meta.prefill_seq_lens,
             scale,
+            key=key,
+            value=value,
         )
     out = torch.empty_like(query)
     out[:num_decode] = kernels.paged_attention_decode(
@@ -61,5 +67,7 @@ def paged_attention(
         meta.prefill_query_start_loc,
         meta.prefill_seq_lens,
         scale,
+        key=key[num_decode:],
+        value=value[num_decode:],
     )
     return out
