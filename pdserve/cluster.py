@@ -68,8 +68,9 @@ class ClusterProcess(SupervisedProcess):
         address: str,
         metrics_address: str | None,
         env: dict[str, str],
+        cpus: Sequence[int] | None = None,
     ) -> None:
-        super().__init__(name, argv, log_path, address=address, env=env)
+        super().__init__(name, argv, log_path, address=address, env=env, cpus=cpus)
         self.role = role  # "router", "prefill" or "decode"
         self.metrics_address = metrics_address  # host:port of Prometheus /metrics
 
@@ -105,6 +106,7 @@ class LocalCluster:
         log_dir: str | None = None,
         log_level: str = "INFO",
         env: dict[str, str] | None = None,
+        cpus: dict[str, Sequence[int]] | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
         progress: Callable[[str], None] | None = None,
@@ -123,6 +125,9 @@ class LocalCluster:
         self.policy = policy
         self.engine_args = list(engine_args)
         self.router_args = list(router_args)
+        # {process name: CPUs it is pinned to}, e.g. {"prefill-0": [0], "decode-0": [1]} (as
+        # bench serve pins engines); processes not named run anywhere.
+        self.cpus = dict(cpus or {})
         self.log_level = log_level
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
@@ -239,6 +244,7 @@ class LocalCluster:
                     address=f"{self.host}:{port}",
                     metrics_address=f"{self.host}:{metrics_port}",
                     env=self.env,
+                    cpus=self.cpus.get(name),
                 )
             )
         return procs

@@ -10,9 +10,10 @@ session, so that every ratio compares numbers taken under the same machine load:
    engine, no prefill) take turns on the same prompts. Overhead = client-side gap between the
    first and second token - one decode step (the median of later gaps) - the KV pull (from the
    request's timeline). TTFT of P/D is compared with colocated.
-2. **Under load.** Poisson arrivals (default 0.5 req/s) on the 1P1D cluster: the handover p50
-   against pull + 1.5 decode steps (a request landing mid-step waits half a step on average,
-   then runs one).
+2. **Under load.** Poisson arrivals (default 0.5 req/s) on a 1P1D cluster set up as in
+   ``bench serve`` (each engine pinned to its own core, one thread): the handover p50 against
+   pull + 1.5 decode steps (a request landing mid-step waits half a step on average, then runs
+   one).
 3. **Pulls.** ``bench transfer``'s movers for a one-block and a 512-token pull, best transport
    against memcpy of the same bytes.
 4. **Where the milliseconds go.** Every request's timeline (router, prefill, decode and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import statistics
 import sys
@@ -210,6 +212,7 @@ def summarize(
     load: list[RequestTrace],
     pulls: list[dict[str, Any]],
     fallback_pull_ms: float | None,
+    prompt_tokens: int = 512,
 ) -> dict[str, Any]:
     pd = [t for t in c1 if t.path == "pd" and t.error is None]
     colo = [t for t in c1 if t.path == "colocated" and t.error is None]
@@ -253,7 +256,7 @@ def summarize(
             _goal("handover under load / (pull + 1.5 decode steps), p50", handover / budget, "<=", 1.0)
         )
     moved = [r for r in pulls if r["transport"] != "memcpy"]
-    for tokens, target in ((16, 0.5), (512, 0.8)):
+    for tokens, target in ((16, 0.5), (prompt_tokens, 0.8)):
         rows = [r for r in moved if r["tokens"] == tokens]
         if rows:
             best = max(rows, key=lambda r: r["ratio_to_memcpy"])
@@ -307,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-rate", type=float, default=0.5, help="req/s in the load phase (0 skips it)")
     p.add_argument("--load-requests", type=int, default=16)
     p.add_argument("--load-output-tokens", type=int, default=64)
+    p.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="load phase: don't pin prefill and decode to a core each (default: pinned, like bench serve)",
+    )
     p.add_argument("--pull-iters", type=int, default=30, help="reads per size in the pull phase (0 skips it)")
     p.add_argument("--kv-transport", default="auto")
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
@@ -357,9 +366,32 @@ def main(argv: list[str] | None = None) -> int:
         vocab = _vocab_size(pd)
         prompts = random_prompts(args.requests + 1 + args.load_requests, args.prompt_tokens, vocab, args.seed)
         c1 = phase_concurrency_1(pd, colo, prompts[: args.requests + 1], args)
-        load = phase_load(pd, prompts[args.requests + 1 :], args) if args.load_rate > 0 else []
+    load: list[RequestTrace] = []
+    if args.load_rate > 0:
+        # As bench serve's pd setup: each engine pinned to its own core, one thread each.
+        pinned = args.pin and len(os.sched_getaffinity(0)) >= 2
+        cpus = {"prefill-0": [0], "decode-0": [1]} if pinned else {}
+        env = {"OMP_NUM_THREADS": "1"} if pinned else {}
+        say(f"starting a 1P1D cluster for the load phase ({'engines pinned' if pinned else 'unpinned'}) ...")
+        with contextlib.ExitStack() as stack:
+            load_cluster = stack.enter_context(
+                LocalCluster(
+                    1,
+                    1,
+                    model,
+                    kv_transport=args.kv_transport,
+                    engine_args=engine_args,
+                    router_args=router_args,
+                    cpus=cpus,
+                    env=env,
+                    progress=say,
+                )
+            )
+            client = Client(load_cluster.router_address)
+            stack.callback(client.close)
+            load = phase_load(client, prompts[args.requests + 1 :], args)
 
-    summary = summarize(c1, load, pulls, fallback_pull)
+    summary = summarize(c1, load, pulls, fallback_pull, args.prompt_tokens)
     breakdown = stage_breakdown([t for t in c1 if t.path == "pd" and t.error is None])
     summary["stages_concurrency_1"] = breakdown
     summary["stages_load"] = stage_breakdown([t for t in load if t.error is None])
