@@ -30,6 +30,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_rate > 0:
         # As bench serve's pd setup: each engine pinned to its own core, one thread each.
         pinned = args.pin and len(os.sched_getaffinity(0)) >= 2
-        cpus = {"prefill-0": [0], "decode-0": [1]} if pinned else {}
+        cpus: dict[str, Sequence[int]] = {"prefill-0": [0], "decode-0": [1]} if pinned else {}
         env = {"OMP_NUM_THREADS": "1"} if pinned else {}
         say(f"starting a 1P1D cluster for the load phase ({'engines pinned' if pinned else 'unpinned'}) ...")
         with contextlib.ExitStack() as stack:

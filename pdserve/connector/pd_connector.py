@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from pdserve.connector.side_channel import SideChannelServer
 from pdserve.connector.transfer_worker import LoadJob, RemoteRef, TransferWorker
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pdserve.connector.transports.base import KVTransport
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class PDConnector(KVConnectorBase):
         # Changes on every start, so a peer can tell a restarted engine from the one it knew.
         self.instance_id = uuid.uuid4().hex
         self.leases = LeaseTable(config.lease_ms / 1000.0)
-        self.transport = None
+        self.transport: KVTransport | None = None
         self.side_channel: SideChannelServer | None = None
         self.worker: TransferWorker | None = None
         # Scheduler-side state (engine thread only).
@@ -74,7 +77,9 @@ class PDConnector(KVConnectorBase):
             return 0, False
         return num_external, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params or {}
         if not self.is_consumer or not params.get("do_remote_prefill"):
             return
@@ -106,7 +111,10 @@ class PDConnector(KVConnectorBase):
         self._step_loads.append(job)
         logger.debug(
             "%s: pull %d blocks from %s (local hit %d tokens)",
-            request.request_id, len(local_block_ids), remote.engine_id, num_local,
+            request.request_id,
+            len(local_block_ids),
+            remote.engine_id,
+            num_local,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
@@ -176,7 +184,10 @@ class PDConnector(KVConnectorBase):
             )
             logger.info(
                 "KV producer %s: side channel %s:%d, transport %s",
-                self.engine_id, self.config.host, self.side_channel.port, self.transport.name,
+                self.engine_id,
+                self.config.host,
+                self.side_channel.port,
+                self.transport.name,
             )
         if self.is_consumer:
             self.worker = TransferWorker(
@@ -269,7 +280,9 @@ class PDConnector(KVConnectorBase):
             "engine_id": self.engine_id,
             "role": self.config.role,
             "transport": self.transport.name if self.transport else None,
-            "side_channel": f"{self.config.reachable_host}:{self.side_channel.port}" if self.side_channel else None,
+            "side_channel": f"{self.config.reachable_host}:{self.side_channel.port}"
+            if self.side_channel
+            else None,
         }
 
     def shutdown(self) -> None:

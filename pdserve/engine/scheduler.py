@@ -386,7 +386,7 @@ class Scheduler(SchedulerInterface):
             self.pending_remote_tokens[request.request_id] = num_local_tokens + num_external_tokens
             admitted += 1
         # Nothing is scheduled here: the connector only needs the loads queued above.
-        return self.connector.build_connector_meta(None) if admitted else None
+        return self.connector.build_connector_meta(None) if admitted else None  # type: ignore[arg-type]
 
     def _pick_preemption_victim(self) -> Request:
         if self.scheduler_config.policy == "priority":

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -126,7 +126,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if request.messages:
             for i, message in enumerate(request.messages):
                 if message.role not in CHAT_ROLES:
-                    raise ValueError(f"messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
+                    raise ValueError(
+                        f"messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}"
+                    )
             conversation = [{"role": m.role, "content": m.content} for m in request.messages]
             tokens = self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation))
         elif request.prompt:
@@ -189,7 +191,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def run(
         self, live: LiveRequest, prepared: PreparedRequest, timeout: float | None = None
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The one request path, behind both front doors: route, stream, and on any early end
         (abort, disconnect, failure, a stop string) abort the request on every engine touched.
 
@@ -200,7 +202,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finished = counted = False
         try:
             # Closed at once when we stop early: each stage's in-flight count drops right away.
-            async with contextlib.aclosing(self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S)) as responses:
+            async with contextlib.aclosing(
+                self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S)
+            ) as responses:
                 async for response in responses:
                     finished = bool(response.finish_reason)
                     yield response
@@ -230,12 +234,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _run(
         self, live: LiveRequest, prepared: PreparedRequest, timeout: float
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         tokens, sampling, priority = prepared.prompt_token_ids, prepared.sampling, prepared.priority
         block_size = self._limits()[2]
         block_hashes = hash_request_blocks(tokens, block_size, [])
-        timings: dict = {"queue_ms": (time.perf_counter() - live.arrival) * 1e3, "num_prompt_tokens": len(tokens)}
-        text = TextStream(self.tokenizer, prepared.stop, prepared.include_stop_str_in_output, sampling.min_tokens)
+        timings: dict = {
+            "queue_ms": (time.perf_counter() - live.arrival) * 1e3,
+            "num_prompt_tokens": len(tokens),
+        }
+        text = TextStream(
+            self.tokenizer, prepared.stop, prepared.include_stop_str_in_output, sampling.min_tokens
+        )
         prefills = self.pool.of_role("prefill")
         decodes = self.pool.of_role("decode")
         if not decodes:
@@ -244,8 +253,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
 
         if direct:
-            stage = self._stream_stage(live, "decode", tokens, sampling, priority, None, block_hashes, timeout)
-            async with contextlib.aclosing(self._relay(live, stage, text, timings, first_stage=True)) as relay:
+            stage = self._stream_stage(
+                live, "decode", tokens, sampling, priority, None, block_hashes, timeout
+            )
+            async with contextlib.aclosing(
+                self._relay(live, stage, text, timings, first_stage=True)
+            ) as relay:
                 async for response, _ in relay:
                     yield response
             return
@@ -254,7 +267,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prefill_sampling = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
         remote = sampling.max_tokens > 1
         kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
-        stage = self._stream_stage(live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout)
+        stage = self._stream_stage(
+            live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout
+        )
         first: engine_pb2.EngineGenerateResponse | None = None
         fallback = False
         try:
@@ -273,8 +288,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             logger.warning("%s: %s; falling back to decode alone", live.request_id, exc)
             fallback = True
         if fallback:
-            stage = self._stream_stage(live, "decode", tokens, sampling, priority, None, block_hashes, timeout)
-            async with contextlib.aclosing(self._relay(live, stage, text, timings, first_stage=True)) as relay:
+            stage = self._stream_stage(
+                live, "decode", tokens, sampling, priority, None, block_hashes, timeout
+            )
+            async with contextlib.aclosing(
+                self._relay(live, stage, text, timings, first_stage=True)
+            ) as relay:
                 async for response, _ in relay:
                     yield response
             return
@@ -318,7 +337,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         kv: common_pb2.KVTransferParams | None,
         block_hashes: list,
         timeout: float,
-    ) -> AsyncIterator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse]]:
+    ) -> AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse], None]:
         """Run one stage on an engine of ``role``; retried once elsewhere if the engine was
         unreachable before it produced anything."""
         tried: set[str] = set()
@@ -371,7 +390,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if code == grpc.StatusCode.UNAVAILABLE:
                     engine.mark_down(exc.details() or "unreachable")
                     if not produced and len(tried) < 2:
-                        logger.warning("%s: %s engine %s unreachable, retrying elsewhere", live.request_id, role, engine.address)
+                        logger.warning(
+                            "%s: %s engine %s unreachable, retrying elsewhere",
+                            live.request_id,
+                            role,
+                            engine.address,
+                        )
                         continue
                 if code == grpc.StatusCode.ABORTED:
                     # The engine is fine but this request's remote KV was lost: retriable by the client.
@@ -384,13 +408,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _relay(
         self,
         live: LiveRequest,
-        stage: AsyncIterator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse]],
+        stage: AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse], None],
         text: TextStream,
         timings: dict[str, float],
         first_stage: bool,
         last_stage: bool = True,
         prefill_done: float | None = None,
-    ) -> AsyncIterator[tuple[router_pb2.GenerateResponse, engine_pb2.EngineGenerateResponse]]:
+    ) -> AsyncGenerator[tuple[router_pb2.GenerateResponse, engine_pb2.EngineGenerateResponse], None]:
         """Turn engine messages into router messages (text deltas, metrics on the last one).
 
         A non-last stage (prefill before decode) ends the request only if it finished for
@@ -419,7 +443,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         self.metrics.itl.observe(now - last_token_at)
                     last_token_at = now
                 timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
-                timings["num_cached_tokens"] = max(timings.get("num_cached_tokens", 0), message.num_cached_tokens)
+                timings["num_cached_tokens"] = max(
+                    timings.get("num_cached_tokens", 0), message.num_cached_tokens
+                )
                 finish_reason = message.finish_reason
                 final = bool(finish_reason) and (last_stage or finish_reason != "length")
                 delta = text.push(tokens, final=final)
