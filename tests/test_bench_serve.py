@@ -1,5 +1,6 @@
-"""``pdserve bench serve`` end to end on the tiny model: both setups run, every request is
-accounted for, the JSON has the documented keys, the plots are written and no process is left.
+"""``pdserve bench serve`` end to end on the tiny model: every setup runs (also over repeats),
+every request is accounted for, the JSON has the documented keys (the chunk sweep and its choice,
+the spread and the verdicts too), the plots are written and no process is left.
 
 Structure and sanity only (counts, signs, orderings); no timing thresholds.
 """
@@ -13,7 +14,8 @@ import socket
 
 import pytest
 
-from pdserve.bench import serve
+from pdserve.bench import chunk_sweep, serve
+from pdserve.bench.serve_report import KEY_METRICS, verdicts
 from pdserve.engine.model.tiny import write_tiny_model
 
 NUM_REQUESTS = 4
@@ -207,3 +209,136 @@ def test_bench_serve_api_both_alternates_the_front_doors_and_reports_the_http_ov
         assert grpc_ms > 0 and http_ms > 0
         assert math.isclose(overhead[f"{metric}_ms_p50_added"], http_ms - grpc_ms)
     assert _processes_mentioning(model) == []
+
+
+@pytest.fixture(scope="module")
+def three_setup_run(tmp_path_factory):
+    """All three setups, two repeats, the chunk budget chosen by a real (tiny) sweep."""
+    root = tmp_path_factory.mktemp("bench-serve-3")
+    model = write_tiny_model(str(root / "model"), seed=0)
+    json_path = root / "serve.json"
+    argv = [
+        "--model", model, "--rates", "4", "--repeats", "2", "--num-requests", str(NUM_REQUESTS),
+        "--prompt-len", "24:80", "--output-len", str(OUTPUT_LEN), "--warmup", "1", "--seed", "5",
+        "--chunk-candidates", "32", "64", "--chunk-sweep-repeats", "1",
+        "--engine-args", "--num-blocks 128 --max-num-batched-tokens 512", "--max-model-len", "256",
+        "--json", str(json_path), "--plot-dir", str(root / "plots"), "--no-progress",
+    ]  # fmt: skip
+    code = serve.main(argv)
+    with open(json_path) as f:
+        payload = json.load(f)
+    return code, payload, root / "plots", model
+
+
+def test_bench_serve_runs_three_setups_in_every_repeat(three_setup_run):
+    code, payload, plot_dir, model = three_setup_run
+    assert code == 0
+    assert payload["config"]["setups"] == list(serve.SETUPS) == ["colocated", "colocated-chunked", "pd"]
+    rows = payload["rows"]
+    # Repeat-major: each repeat runs every setup before the next repeat starts.
+    assert [(r["repeat"], r["setup"]) for r in rows] == [(rep, s) for rep in (0, 1) for s in serve.SETUPS]
+    for row in rows:
+        assert set(row) == set(serve.ROW_KEYS)
+        assert row["completed"] == NUM_REQUESTS and row["failed"] == 0
+    records = payload["requests"]
+    assert len(records) == 2 * 3 * NUM_REQUESTS
+    assert all(set(rec) == set(serve.REQUEST_KEYS) and rec["error"] is None for rec in records)
+
+    def prompt_lens(setup: str, repeat: int) -> list[int]:
+        return [r["prompt_len"] for r in records if r["setup"] == setup and r["repeat"] == repeat]
+
+    for repeat in (0, 1):  # the same requests for every setup within a repeat...
+        assert (
+            prompt_lens("colocated", repeat)
+            == prompt_lens("colocated-chunked", repeat)
+            == prompt_lens("pd", repeat)
+        )
+    assert prompt_lens("pd", 0) != prompt_lens("pd", 1)  # ...and a fresh draw per repeat
+    for name in PLOTS:
+        assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert _processes_mentioning(model) == []
+
+
+def test_bench_serve_records_the_chunk_sweep_and_its_choice(three_setup_run):
+    _, payload, _, _ = three_setup_run
+    chunk = payload["chunk"]
+    assert chunk["source"] == "sweep" and chunk["tokens"] in (32, 64) and chunk["reason"]
+    assert payload["config"]["chunk_tokens"] == chunk["tokens"]
+    sweep = chunk["sweep"]
+    assert sweep["batch"] >= 1 and sweep["threads"] == 1
+    assert [r["tokens"] for r in sweep["rows"]] == [None, 32, 64]
+    for row in sweep["rows"]:
+        assert row["decode_step_ms"] > 0 and row["mixed_step_ms"] > 0 and row["prefill_ms"] > 0
+        assert math.isclose(row["ratio"], row["mixed_step_ms"] / row["decode_step_ms"])
+    assert chunk_sweep.choose_chunk(sweep["rows"], chunk["max_ratio"])[0] == chunk["tokens"]
+
+
+def test_bench_serve_reports_spread_and_verdicts_over_repeats(three_setup_run):
+    _, payload, _, _ = three_setup_run
+    spreads = payload["spread"]
+    assert sorted(e["setup"] for e in spreads) == sorted(serve.SETUPS)
+    for entry in spreads:
+        assert entry["repeats"] == 2 and entry["rate"] == 4.0
+        for metric in KEY_METRICS:
+            lo, mid, hi = (entry[f"{metric}_{s}"] for s in ("min", "median", "max"))
+            assert lo <= mid <= hi and entry[f"{metric}_sd"] >= 0
+    claims = payload["verdicts"]
+    assert [c["metric"] for c in claims] == list(KEY_METRICS)
+    for claim in claims:
+        assert claim["verdict"] in ("pd better", "pd worse", "no claim")
+        assert [p["repeat"] for p in claim["per_repeat"]] == [0, 1]
+        assert {p["best_colocated_setup"] for p in claim["per_repeat"]} <= {"colocated", "colocated-chunked"}
+
+
+def test_verdict_is_claimed_only_where_it_holds_in_every_repeat():
+    def row(setup: str, repeat: int, goodput: float, itl_p99: float) -> dict:
+        values = dict.fromkeys(KEY_METRICS, 1.0)
+        values.update(goodput_req_per_s=goodput, itl_ms_p99=itl_p99)
+        return {"setup": setup, "rate": 0.5, "repeat": repeat, **values}
+
+    rows = [
+        row("colocated", 0, 0.10, 900.0), row("colocated-chunked", 0, 0.20, 300.0), row("pd", 0, 0.25, 200.0),
+        row("colocated", 1, 0.10, 900.0), row("colocated-chunked", 1, 0.30, 250.0), row("pd", 1, 0.25, 220.0),
+    ]  # fmt: skip
+    claims = {c["metric"]: c for c in verdicts(rows, serve.COLOCATED_SETUPS)}
+    # Goodput: P/D beats chunked in repeat 0 but not in repeat 1 -> no claim.
+    assert claims["goodput_req_per_s"]["verdict"] == "no claim"
+    assert [p["best_colocated"] for p in claims["goodput_req_per_s"]["per_repeat"]] == [0.20, 0.30]
+    # ITL p99: lower than the best colocated (chunked) in both repeats -> a claim.
+    assert claims["itl_ms_p99"]["verdict"] == "pd better"
+    assert claims["ttft_ms_p50"]["verdict"] == "no claim"  # ties everywhere
+    rows[2]["itl_ms_p99"] = 400.0
+    rows[5]["itl_ms_p99"] = 300.0
+    assert {c["metric"]: c for c in verdicts(rows, serve.COLOCATED_SETUPS)}["itl_ms_p99"][
+        "verdict"
+    ] == "pd worse"
+
+
+def test_chunk_rule_picks_the_largest_budget_within_the_ratio_else_the_smallest():
+    def sweep(*ratios: float) -> list[dict]:
+        rows = [{"tokens": None, "decode_step_ms": 100.0, "mixed_step_ms": 2000.0, "ratio": 20.0}]
+        for tokens, ratio in zip((32, 64, 128, 256), ratios, strict=False):
+            rows.append(
+                {"tokens": tokens, "decode_step_ms": 100.0, "mixed_step_ms": 100 * ratio, "ratio": ratio}
+            )
+        return rows
+
+    assert chunk_sweep.choose_chunk(sweep(1.1, 1.3, 1.6, 2.5), 1.5)[0] == 64
+    assert chunk_sweep.choose_chunk(sweep(1.1, 1.3, 1.4, 1.5), 1.5)[0] == 256
+    tokens, reason = chunk_sweep.choose_chunk(sweep(1.9, 2.3, 4.0, 7.6), 1.5)
+    assert tokens == 32 and "no budget" in reason
+    assert chunk_sweep.typical_decode_batch(0.25, 64, 0.1) == 2
+    assert chunk_sweep.typical_decode_batch(0.0, 64, 0.1) == 1
+    assert chunk_sweep.engine_args_for_budget(32) == [
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "32",
+    ]
+
+
+def test_chunk_tokens_flag_skips_the_sweep(tmp_path):
+    args = serve.build_parser().parse_args(["--chunk-tokens", "48"])
+    workload = serve.Workload((512, 512), (64, 64), None, 0.0, 0, (0, 1))
+    chunk = serve.choose_chunk_tokens(args, workload, [0], str(tmp_path), {}, lambda message: None)
+    assert chunk["tokens"] == 48 and chunk["source"] == "--chunk-tokens" and chunk["sweep"] is None

@@ -1,17 +1,28 @@
 """``pdserve bench serve``: P/D vs colocated serving on the same cores, under an open-loop load.
 
-Two setups run one after the other in one invocation, each on fresh processes and the same
-cores (``--cpus``, default the first two this process may use):
+Up to three setups run one after the other in one invocation, each on fresh processes and the
+same cores (``--cpus``, default the first two this process may use):
 
 - ``colocated``: two independent ``pdserve serve`` engines behind ``pdserve router --policy
   round_robin`` (no ``--prefill``, so the router sends every request straight to an engine);
+  each runs a whole prompt in one step, stalling the requests decoding on it meanwhile;
+- ``colocated-chunked``: the same, with each step capped at a token budget chosen so that a
+  step carrying a prefill chunk costs about one decode step (Sarathi-Serve's stall-free
+  batching, the strongest colocated configuration). The budget is measured before the runs on
+  the same model and core (``pdserve.bench.chunk_sweep``) unless ``--chunk-tokens`` gives it;
 - ``pd``: one ``pdserve prefill`` and one ``pdserve decode`` engine behind the router with
   ``--disagg-min-tokens 0``, so every request is prefilled on P and its KV pulled by D.
+
+A performance claim must hold across runs: ``--repeats N`` runs the whole comparison N times
+(every setup on fresh processes, every rate, fresh seeded prompts and arrivals per repeat, the
+setups interleaved so drifting background load hits them alike). The report gives each key
+metric's spread over the repeats, and a verdict of P/D against the best colocated setup per
+rate and metric only where P/D is better (or worse) in every repeat.
 
 Each engine (its front and its engine-core child: affinity is inherited) is pinned to one core
 with ``OMP_NUM_THREADS=1``; the router and this client are not pinned. For each rate, requests
 arrive as a Poisson process (seeded; the same prompts and arrival times for both setups, fresh
-prompts for each rate so one rate does not hit the prefix cache of another); every request is
+prompts for each rate and repeat so none hits the prefix cache of another); every request is
 greedy with ``ignore_eos`` and streams its tokens back.
 
 Latencies are taken on the client: TTFT from sending a request to its first token; ITL between
@@ -38,7 +49,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -46,7 +56,9 @@ from typing import Any
 import numpy as np
 
 from pdserve import supervisor
+from pdserve.bench import chunk_sweep
 from pdserve.bench.report import default_path, save_json
+from pdserve.bench.serve_client import engine_info, run_requests, run_requests_openai, wait_router_ready
 from pdserve.bench.serve_report import (
     REQUEST_KEYS,
     ROW_KEYS,
@@ -54,19 +66,23 @@ from pdserve.bench.serve_report import (
     RequestResult,
     front_overhead,
     plot_all,
+    print_chunk_sweep,
     print_front_overhead,
     print_report,
+    print_spread_and_verdicts,
     request_record,
+    spread,
     summarize,
+    verdicts,
 )
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
 __all__ = ["REQUEST_KEYS", "ROW_KEYS", "STAGES", "main"]
 
-SETUPS = ("colocated", "pd")
+SETUPS = ("colocated", "colocated-chunked", "pd")
+COLOCATED_SETUPS = ("colocated", "colocated-chunked")  # two `pdserve serve` engines each
 HOST = "127.0.0.1"  # every process binds loopback
 STARTUP_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 600.0  # a request still streaming after this counts as failed (DEADLINE_EXCEEDED)
 IDLE_TIMEOUT_S = 60.0
 GRACE_S = 10.0
 
@@ -129,6 +145,12 @@ class Workload:
         rng = np.random.default_rng([self.seed, 7])
         # Request i uses the first frac * prompt_len tokens of this one sequence as its prefix.
         self.shared_prefix = rng.integers(*self.token_range, size=longest).tolist()
+
+    def mean_lengths(self) -> tuple[float, float]:
+        """Expected (prompt, output) length of a request: what the chunk sweep calibrates for."""
+        if self.dataset:
+            return float(np.mean([p for p, _ in self.dataset])), float(np.mean([o for _, o in self.dataset]))
+        return sum(self.prompt_len) / 2, sum(self.output_len) / 2
 
     def max_total_len(self) -> int:
         if self.dataset:
@@ -224,7 +246,9 @@ def start_setup(
     router], the router's OpenAI API URL when an ``--api`` needs it)."""
     model = ["--model", args.model] if args.model else []
     engine_args = ["--max-model-len", str(args.max_model_len), *shlex.split(args.engine_args)]
-    roles = ["serve", "serve"] if setup == "colocated" else ["prefill", "decode"]
+    if setup == "colocated-chunked":  # after --engine-args: the last of a repeated flag wins
+        engine_args += chunk_sweep.engine_args_for_budget(args.chunk_tokens)
+    roles = ["serve", "serve"] if setup in COLOCATED_SETUPS else ["prefill", "decode"]
 
     def engine_argv(role: str) -> Callable[[int], list[str]]:
         def build(port: int) -> list[str]:
@@ -239,7 +263,7 @@ def start_setup(
         [(f"{setup}-{role}-{i}", engine_argv(role), {cpus[i % len(cpus)]}) for i, role in enumerate(roles)]
     )
     addresses = [e.address for e in engines]
-    if setup == "colocated":
+    if setup in COLOCATED_SETUPS:
         upstream = ["--decode", ",".join(addresses)]
     else:
         upstream = ["--prefill", addresses[0], "--decode", addresses[1], "--disagg-min-tokens", "0"]
@@ -263,132 +287,14 @@ def apis(args: argparse.Namespace) -> list[str]:
     return ["grpc", "openai"] if args.api == "both" else [args.api]
 
 
-# ---------------------------------------------------------------------- client
-
-
-async def run_requests(
-    address: str, specs: list[RequestSpec], tag: str, progress=None
-) -> list[RequestResult]:
-    """Send each spec at its arrival time (open loop) and stream it to the end."""
-    import grpc
-
-    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-
-    results = [RequestResult(spec) for spec in specs]
-    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        start = time.perf_counter()
-
-        async def one(result: RequestResult) -> None:
-            spec = result.spec
-            await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
-            request = router_pb2.GenerateRequest(
-                request_id=f"{tag}-{spec.index}-{secrets.token_hex(4)}",
-                prompt_token_ids=spec.prompt_token_ids,
-                sampling=common_pb2.SamplingParams(
-                    max_tokens=spec.output_len, temperature=0.0, ignore_eos=True
-                ),
-            )
-            result.sent = time.perf_counter()
-            try:
-                async for message in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-                    if message.token_ids:
-                        result.token_times.append((time.perf_counter(), len(message.token_ids)))
-                    if message.HasField("metrics"):
-                        result.metrics = {
-                            f.name: getattr(message.metrics, f.name)
-                            for f in message.metrics.DESCRIPTOR.fields
-                        }
-            except grpc.aio.AioRpcError as exc:
-                result.error = f"{exc.code().name}: {exc.details()}"
-            if progress is not None:
-                progress.update(1)
-
-        await asyncio.gather(*(one(r) for r in results))
-    return results
-
-
-async def run_requests_openai(
-    base_url: str, specs: list[RequestSpec], tag: str, progress=None
-) -> list[RequestResult]:
-    """The same open loop through the router's OpenAI API: ``/v1/completions`` streamed, with
-    vLLM's ``continuous_usage_stats`` so each event says how many tokens it carries."""
-    from pdserve.bench.sse_client import HTTPStatusError, stream_events
-
-    results = [RequestResult(spec) for spec in specs]
-    start = time.perf_counter()
-
-    async def one(result: RequestResult) -> None:
-        spec = result.spec
-        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
-        body = {
-            "prompt": spec.prompt_token_ids,
-            "max_tokens": spec.output_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        }
-        result.sent = time.perf_counter()
-        seen = 0
-        try:
-            async for arrived, event in stream_events(f"{base_url}/completions", body, REQUEST_TIMEOUT_S):
-                if "error" in event:
-                    result.error = f"stream error: {event['error'].get('message')}"
-                    break
-                usage = event.get("usage") or {}
-                tokens = usage.get("completion_tokens", seen) - seen
-                if tokens > 0 and event.get("choices"):
-                    result.token_times.append((arrived, tokens))
-                    seen += tokens
-        except (HTTPStatusError, OSError, TimeoutError, ValueError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-        if progress is not None:
-            progress.update(1)
-
-    await asyncio.gather(*(one(r) for r in results))
-    return results
-
-
-def engine_info(address: str) -> Any:
-    import grpc
-
-    from pdserve.v1 import engine_pb2, engine_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        return engine_pb2_grpc.EngineStub(channel).Info(engine_pb2.InfoRequest(), timeout=10.0)
-
-
-def wait_router_ready(address: str, num_engines: int, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Until the router sees every engine healthy and idle (nothing running, waiting or held)."""
-    from pdserve.client import Client
-
-    deadline = time.monotonic() + timeout_s
-    with Client(address) as client:
-        while True:
-            stats = client.stats()
-            ready = len(stats) == num_engines and all(
-                s["healthy"]
-                and s["num_running"] == s["num_waiting"] == s["num_waiting_for_remote_kvs"] == 0
-                and s["num_held_blocks"] == 0
-                for s in stats
-            )
-            if ready:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engines not idle after {timeout_s:.0f}s: {stats}")
-            time.sleep(0.1)
-
-
 # ---------------------------------------------------------------------- driver
 
 
 @dataclass
 class SetupRun:
-    """What one setup produced over every rate."""
+    """What one setup produced over every rate of one repeat."""
 
-    rows: list[dict] = field(default_factory=list)  # one per rate
+    rows: list[dict] = field(default_factory=list)  # one per rate (and front door)
     records: list[dict] = field(default_factory=list)  # one per request
     samples: dict[tuple[str, float, str], list[float]] = field(
         default_factory=dict
@@ -397,19 +303,30 @@ class SetupRun:
 
 
 def run_setup(
-    setup: str, procs: SetupProcesses, workload: Workload, args: argparse.Namespace, cpus: list[int], say
+    setup: str,
+    procs: SetupProcesses,
+    workload: Workload,
+    args: argparse.Namespace,
+    cpus: list[int],
+    say: Callable[[str], None],
+    repeat: int = 0,
 ) -> SetupRun:
-    """Start ``setup``, warm it up, then run every rate on it, one after the other from idle."""
+    """Start ``setup``, warm it up, then run every rate on it, one after the other from idle.
+
+    Repeat ``r`` draws rate ``i``'s requests from stream ``r * len(rates) + i``: each repeat is a
+    new seeded sample of prompts and arrivals (so a claim that holds in every repeat does not hang
+    on one lucky draw), the same for every setup, and repeat 0 is what a single run draws."""
     from tqdm import tqdm
 
     run = SetupRun()
-    say(f"{setup}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
+    of = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
+    say(f"{setup}{of}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
     (first_engine, _, router_child), http_url = start_setup(setup, procs, args, cpus)
     router = router_child.address
     info = engine_info(first_engine.address)
     workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
     run.kv_transport = info.kv_transport or None
-    wait_router_ready(router, num_engines=2)
+    wait_router_ready(router, num_engines=2, timeout_s=STARTUP_TIMEOUT_S)
 
     async def send_async(api: str, specs: list[RequestSpec], tag: str, bar=None) -> list[RequestResult]:
         if api == "openai":
@@ -432,8 +349,8 @@ def run_setup(
                 raise RuntimeError(f"{setup}: warm-up request through {api} failed: {result.error}")
     for i, rate in enumerate(args.rates, start=1):
         wait_router_ready(router, num_engines=2, timeout_s=IDLE_TIMEOUT_S)
-        specs = workload.draw(args.num_requests, rate, stream=i)
-        desc = f"{setup} @ {rate:g} req/s" + (
+        specs = workload.draw(args.num_requests, rate, stream=repeat * len(args.rates) + i)
+        desc = f"{setup} @ {rate:g} req/s{of}" + (
             " (gRPC and OpenAI API alternating)" if args.api == "both" else ""
         )
         with tqdm(total=len(specs), desc=desc, unit="req", disable=args.no_progress) as bar:
@@ -446,8 +363,8 @@ def run_setup(
         procs.check_alive()
         for api, results in per_api.items():
             label = setup if api == "grpc" else f"{setup}/openai"
-            records = [request_record(label, rate, r, args) for r in results]
-            run.rows.append(summarize(label, rate, results, records))
+            records = [request_record(label, rate, r, args, repeat=repeat) for r in results]
+            run.rows.append(summarize(label, rate, results, records, repeat=repeat))
             run.records += records
             run.samples[(label, rate, "ttft")] = [
                 rec["ttft_ms"] for rec in records if rec["ttft_ms"] is not None
@@ -458,6 +375,43 @@ def run_setup(
                 say(f"{label} @ {rate:g} req/s: {run.rows[-1]['failed']} failed: {errors[:3]}")
     say(f"{setup}: stopping")
     return run
+
+
+def choose_chunk_tokens(
+    args: argparse.Namespace,
+    workload: Workload,
+    cpus: list[int],
+    log_dir: str,
+    env: dict[str, str],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The step token budget of ``colocated-chunked``: ``--chunk-tokens`` if given, else measured
+    by ``pdserve.bench.chunk_sweep`` on the first core with the engines' threading (before any
+    setup starts, so nothing of ours competes with it) and chosen by its rule. Returns what the
+    JSON records: the budget, where it came from, the rule, and the sweep behind it."""
+    if args.chunk_tokens is not None:
+        return {"tokens": args.chunk_tokens, "source": "--chunk-tokens", "reason": "given on the command line",
+                "max_ratio": None, "sweep": None}  # fmt: skip
+    prompt_len, output_len = workload.mean_lengths()
+    finite = [r for r in args.rates if np.isfinite(r)]
+    # Round robin splits the arrivals over the two engines; the highest rate is where a stall
+    # hurts most. All-at-once rates have no steady state: half the requests per engine.
+    batch = args.chunk_batch
+    if batch is None and not finite:
+        batch = min(chunk_sweep.MAX_BATCH, -(-args.num_requests // 2))
+    say(
+        f"chunk sweep: step budgets {args.chunk_candidates} on cpu {cpus[0]} (a few minutes on the bundled model)"
+    )
+    sweep = chunk_sweep.run_pinned(
+        cpus[0], log_dir, env,
+        model=args.model, prompt_len=round(prompt_len), output_len=output_len,
+        candidates=args.chunk_candidates, batch=batch,
+        rate_per_engine=max(finite, default=0.0) / 2, repeats=args.chunk_sweep_repeats,
+        max_model_len=args.max_model_len, seed=args.seed,
+    )  # fmt: skip
+    tokens, reason = chunk_sweep.choose_chunk(sweep["rows"], args.chunk_max_ratio)
+    return {"tokens": tokens, "source": "sweep", "reason": reason, "max_ratio": args.chunk_max_ratio,
+            "sweep": sweep}  # fmt: skip
 
 
 def _json_rate(row: dict[str, Any]) -> dict[str, Any]:
@@ -509,6 +463,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-dir", default=None, help="default: bench-results/")
     p.add_argument("--log-dir", default=None, help="process logs (default: a temp dir, kept on failure)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the whole comparison this many times (fresh processes and prompts each time); "
+        "the report gives the spread and claims only what holds in every repeat",
+    )
+    chunk = p.add_argument_group("colocated-chunked (the tuned chunked-prefill baseline)")
+    chunk.add_argument(
+        "--chunk-tokens", type=int, default=None, help="step token budget (default: chosen by a sweep)"
+    )
+    chunk.add_argument(
+        "--chunk-candidates",
+        type=int,
+        nargs="+",
+        default=list(chunk_sweep.DEFAULT_CANDIDATES),
+        help="budgets the sweep measures",
+    )
+    chunk.add_argument(
+        "--chunk-max-ratio",
+        type=float,
+        default=chunk_sweep.DEFAULT_MAX_RATIO,
+        help="pick the largest budget whose step costs at most this many decode steps",
+    )
+    chunk.add_argument(
+        "--chunk-batch", type=int, default=None, help="decode batch of the sweep (default: Little's law)"
+    )
+    chunk.add_argument("--chunk-sweep-repeats", type=int, default=2, help="timed rounds over the candidates")
     return p
 
 
@@ -527,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--shared-prefix-frac must be in [0, 1], got {args.shared_prefix_frac}")
         if args.num_requests < 1 or any(r <= 0 for r in args.rates):
             raise ValueError("--num-requests and every rate must be positive")
+        if args.repeats < 1 or args.chunk_sweep_repeats < 1:
+            raise ValueError("--repeats and --chunk-sweep-repeats must be >= 1")
+        if (args.chunk_tokens is not None and args.chunk_tokens < 1) or min(args.chunk_candidates) < 1:
+            raise ValueError("--chunk-tokens and every --chunk-candidates budget must be >= 1")
+        if args.chunk_batch is not None and not 1 <= args.chunk_batch <= chunk_sweep.MAX_BATCH:
+            raise ValueError(f"--chunk-batch must be in [1, {chunk_sweep.MAX_BATCH}]")
         allowed = sorted(os.sched_getaffinity(0))
         cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else allowed[:2]
         if not set(cpus) <= set(allowed):
@@ -559,18 +547,25 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     rows: list[dict] = []
     records: list[dict] = []
-    samples: dict[tuple[str, float, str], list[float]] = {}  # {(setup, rate, "ttft"|"itl"): ms values}
+    samples: dict[tuple[str, float, str], list[float]] = {}  # {(setup, rate, "ttft"|"itl"): ms, all repeats}
     kv_transport_used = None
+    chunk: dict[str, Any] | None = None
     load_before = os.getloadavg()
     failed = False
     try:
-        for setup in args.setups:
-            with SetupProcesses(log_dir, env, say) as procs:
-                run = run_setup(setup, procs, workload, args, cpus, say)
-            rows += run.rows
-            records += run.records
-            samples.update(run.samples)
-            kv_transport_used = run.kv_transport or kv_transport_used
+        if "colocated-chunked" in args.setups:
+            chunk = choose_chunk_tokens(args, workload, cpus, log_dir, env, say)
+            args.chunk_tokens = chunk["tokens"]
+            print_chunk_sweep(chunk)
+        for repeat in range(args.repeats):  # repeat-major: drifting background load hits every setup
+            for setup in args.setups:
+                with SetupProcesses(log_dir, env, say) as procs:
+                    run = run_setup(setup, procs, workload, args, cpus, say, repeat=repeat)
+                rows += run.rows
+                records += run.records
+                for key, values in run.samples.items():
+                    samples.setdefault(key, []).extend(values)
+                kv_transport_used = run.kv_transport or kv_transport_used
     except Exception as exc:
         failed = True
         print(f"error: {exc}\n(process logs in {log_dir})", file=sys.stderr)
@@ -593,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     overhead = front_overhead(rows)
     if overhead:
         print_front_overhead(overhead)
+    spreads, claims = spread(rows), verdicts(rows, COLOCATED_SETUPS, "pd")
+    print_spread_and_verdicts(spreads, claims, args.repeats)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "log_dir", "no_progress")}
     payload = {
         "config": {
@@ -608,7 +605,10 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
         },
+        "chunk": chunk,
         "rows": [_json_rate(r) for r in rows],
+        "spread": [_json_rate(r) for r in spreads],
+        "verdicts": [_json_rate(r) for r in claims],
         "front_overhead": [_json_rate(r) for r in overhead],
         "requests": [_json_rate(r) for r in records],
     }

@@ -1,7 +1,9 @@
 """Statistics, tables and plots of ``pdserve bench serve`` (see ``pdserve.bench.serve``).
 
-A request's record and a (setup, rate) row are plain dicts with the keys below; the JSON file
-holds them as they are, so the README's numbers can be recomputed from it.
+A request's record and a (setup, rate, repeat) row are plain dicts with the keys below; the
+JSON file holds them as they are, so the README's numbers can be recomputed from it. Over
+repeats, ``spread`` gives each key metric's min / median / max / mean / sd per (setup, rate),
+and ``verdicts`` says where P/D beats (or loses to) the best colocated setup in every repeat.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,13 +25,13 @@ if TYPE_CHECKING:
 STAGES = ("queue", "prefill", "transfer", "decode")  # the P/D breakdown, in request order
 # Every JSON row has these keys (None where a value does not apply, e.g. transfer for colocated).
 ROW_KEYS = (
-    "setup", "rate", "num_requests", "completed", "failed", "duration_s",
+    "setup", "rate", "repeat", "num_requests", "completed", "failed", "duration_s",
     "req_per_s", "out_tok_per_s", "goodput_frac", "goodput_req_per_s",
     *(f"{m}_ms_{s}" for m in ("ttft", "itl", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99")),
     *(f"{st}_ms_{s}" for st in STAGES for s in ("mean", "p50", "p99")),
 )  # fmt: skip
 REQUEST_KEYS = (
-    "setup", "rate", "index", "prompt_len", "output_len", "num_tokens", "error",
+    "setup", "rate", "repeat", "index", "prompt_len", "output_len", "num_tokens", "error",
     "ttft_ms", "e2e_ms", "tpot_ms", "itl_p90_ms", "itl_max_ms", "meets_slo",
     *(f"{st}_ms" for st in STAGES),
 )  # fmt: skip
@@ -88,7 +91,9 @@ def _stage_ms(result: RequestResult, setup: str) -> dict[str, float | None]:
     return stages
 
 
-def request_record(setup: str, rate: float, result: RequestResult, slo: argparse.Namespace) -> dict[str, Any]:
+def request_record(
+    setup: str, rate: float, result: RequestResult, slo: argparse.Namespace, repeat: int = 0
+) -> dict[str, Any]:
     ttft, e2e, itls = result.ttft_ms(), result.e2e_ms(), result.itls_ms()
     n = result.num_tokens
     ok = result.error is None and n > 0
@@ -98,6 +103,7 @@ def request_record(setup: str, rate: float, result: RequestResult, slo: argparse
     record = {
         "setup": setup,
         "rate": rate,
+        "repeat": repeat,
         "index": result.spec.index,
         "prompt_len": len(result.spec.prompt_token_ids),
         "output_len": result.spec.output_len,
@@ -115,7 +121,9 @@ def request_record(setup: str, rate: float, result: RequestResult, slo: argparse
     return record
 
 
-def summarize(setup: str, rate: float, results: list[RequestResult], records: list[dict]) -> dict[str, Any]:
+def summarize(
+    setup: str, rate: float, results: list[RequestResult], records: list[dict], repeat: int = 0
+) -> dict[str, Any]:
     done = [r for r in results if r.error is None and r.num_tokens > 0]
     ends = [r.token_times[-1][0] for r in done]
     duration = (max(ends) - min(r.sent for r in results)) if done else 0.0
@@ -124,6 +132,7 @@ def summarize(setup: str, rate: float, results: list[RequestResult], records: li
     row: dict[str, Any] = {
         "setup": setup,
         "rate": rate,
+        "repeat": repeat,
         "num_requests": len(results),
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -152,6 +161,94 @@ def summarize(setup: str, rate: float, results: list[RequestResult], records: li
     return row
 
 
+# Key metrics summarised over repeats and judged in the verdicts: +1 higher is better, -1 lower.
+KEY_METRICS = {
+    "goodput_req_per_s": +1, "ttft_ms_p50": -1, "ttft_ms_p99": -1,
+    "itl_ms_p50": -1, "itl_ms_p99": -1, "e2e_ms_p50": -1,
+}  # fmt: skip
+SPREAD_STATS = ("min", "median", "max", "mean", "sd")
+
+
+def spread(rows: list[dict]) -> list[dict[str, Any]]:
+    """Per (setup, rate): each key metric's min / median / max / mean / sd over the repeats
+    (sd is the sample standard deviation, 0 with one repeat); None where a repeat had no value."""
+    groups: dict[tuple[str, float], list[dict]] = {}  # {(setup, rate): [row per repeat]}
+    for row in rows:
+        groups.setdefault((row["setup"], row["rate"]), []).append(row)
+    out = []
+    for (setup, rate), mine in groups.items():
+        entry: dict[str, Any] = {"setup": setup, "rate": rate, "repeats": len(mine)}
+        for metric in KEY_METRICS:
+            values = [r[metric] for r in mine]
+            if any(v is None for v in values):
+                entry.update({f"{metric}_{stat}": None for stat in SPREAD_STATS})
+                continue
+            entry.update(
+                {
+                    f"{metric}_min": float(np.min(values)),
+                    f"{metric}_median": float(np.median(values)),
+                    f"{metric}_max": float(np.max(values)),
+                    f"{metric}_mean": float(np.mean(values)),
+                    f"{metric}_sd": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+                }
+            )
+        out.append(entry)
+    return out
+
+
+def verdicts(rows: list[dict], baselines: Sequence[str], candidate: str = "pd") -> list[dict[str, Any]]:
+    """P/D against the best colocated setup, per rate and key metric, claimed only if it holds
+    in every repeat.
+
+    In each repeat the baseline is whichever of ``baselines`` did best *on that metric in that
+    repeat* (the most favourable baseline, so a P/D win is not a win over a weak one). The
+    verdict is ``"pd better"`` when P/D beats it in every repeat, ``"pd worse"`` when it loses
+    in every repeat, and ``"no claim"`` when the repeats disagree, tie or lack a value.
+    """
+    by_key = {(r["setup"], r["rate"], r["repeat"]): r for r in rows}
+    rates = sorted({r["rate"] for r in rows if r["setup"] == candidate})
+    out = []
+    for rate in rates:
+        repeats = sorted(rep for (setup, rt, rep) in by_key if setup == candidate and rt == rate)
+        for metric, direction in KEY_METRICS.items():
+            per_repeat = []
+            for rep in repeats:
+                base = [(by_key[(b, rate, rep)][metric], b) for b in baselines if (b, rate, rep) in by_key]
+                base = [(v, b) for v, b in base if v is not None]
+                if not base:
+                    continue
+                value, setup = (max if direction > 0 else min)(base)
+                mine = by_key[(candidate, rate, rep)][metric]
+                sign = 0 if mine is None or mine == value else (1 if (mine - value) * direction > 0 else -1)
+                per_repeat.append({"repeat": rep, "pd": mine, "best_colocated": value,
+                                   "best_colocated_setup": setup, "sign": sign})  # fmt: skip
+            if not per_repeat:
+                continue
+            signs = {p["sign"] for p in per_repeat}
+            if len(per_repeat) == len(repeats) and signs == {1}:
+                verdict = f"{candidate} better"
+            elif len(per_repeat) == len(repeats) and signs == {-1}:
+                verdict = f"{candidate} worse"
+            else:
+                verdict = "no claim"
+            ratios = [
+                p["pd"] / p["best_colocated"]
+                for p in per_repeat
+                if p["pd"] is not None and p["best_colocated"]
+            ]
+            out.append(
+                {
+                    "rate": rate,
+                    "metric": metric,
+                    "better": "higher" if direction > 0 else "lower",
+                    "verdict": verdict,
+                    "pd_over_best_median": float(np.median(ratios)) if ratios else None,
+                    "per_repeat": per_repeat,
+                }
+            )
+    return out
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -161,6 +258,11 @@ def print_report(rows: list[dict], args: argparse.Namespace) -> None:
     if not sys.stdout.isatty():
         os.environ.setdefault("COLUMNS", "120")
     slo = f"TTFT <= {args.slo_ttft_ms:g} ms and ITL {args.slo_itl_stat} <= {args.slo_itl_ms:g} ms"
+    # Grouped by setup and rate, repeats side by side (they ran interleaved).
+    order = {setup: i for i, setup in enumerate(dict.fromkeys(r["setup"] for r in rows))}
+    rows = sorted(rows, key=lambda r: (order[r["setup"]], r["rate"], r["repeat"]))
+    many = any(r["repeat"] for r in rows)
+    rep_column = ["rep"] if many else []
     throughput = {
         "setup": "setup", "rate\nreq/s": "rate", "req/s": "req_per_s", "out\ntok/s": "out_tok_per_s",
         "good\nreq/s": "goodput_req_per_s", "KV xfer\np50 ms": "transfer_ms_p50",
@@ -171,8 +273,9 @@ def print_report(rows: list[dict], args: argparse.Namespace) -> None:
         cells = {column: r[key] for column, key in throughput.items()}
         cells["done"] = f"{r['completed']}/{r['num_requests']}"
         cells["meet\nSLO"] = None if r["goodput_frac"] is None else f"{r['goodput_frac']:.0%}"
+        cells["rep"] = r["repeat"] + 1
         table.append(cells)
-    columns = ["setup", "rate\nreq/s", "done", "req/s", "out\ntok/s", "meet\nSLO", "good\nreq/s",
+    columns = ["setup", "rate\nreq/s", *rep_column, "done", "req/s", "out\ntok/s", "meet\nSLO", "good\nreq/s",
                "KV xfer\np50 ms", "KV xfer\np99 ms"]  # fmt: skip
     print_table(f"Throughput and goodput (SLO: {slo})", table, columns)
 
@@ -180,8 +283,9 @@ def print_report(rows: list[dict], args: argparse.Namespace) -> None:
     for metric, label in (("ttft", "TTFT"), ("itl", "ITL")):
         latency.update({f"{label}\np{q}": f"{metric}_ms_p{q}" for q in (50, 90, 99)})
     latency.update({"TPOT\np50": "tpot_ms_p50", "e2e\np50": "e2e_ms_p50", "e2e\np99": "e2e_ms_p99"})
-    table = [{column: r[key] for column, key in latency.items()} for r in rows]
-    print_table("Latency (ms, client clock)", table, list(latency))
+    table = [{"rep": r["repeat"] + 1, **{column: r[key] for column, key in latency.items()}} for r in rows]
+    columns = list(latency)
+    print_table("Latency (ms, client clock)", table, [*columns[:2], *rep_column, *columns[2:]])
 
     pd_rows = [r for r in rows if r["setup"] == "pd"]
     if pd_rows:
@@ -190,12 +294,80 @@ def print_report(rows: list[dict], args: argparse.Namespace) -> None:
             parts = [r[f"{stage}_ms_{s}"] for s in ("mean", "p50", "p99")]
             return " / ".join("-" if v is None else f"{v:.1f}" if v >= 1 else f"{v:.2f}" for v in parts)
 
-        breakdown = [{"rate\nreq/s": r["rate"], **{st: cell(r, st) for st in STAGES}} for r in pd_rows]
+        breakdown = [
+            {"rate\nreq/s": r["rate"], "rep": r["repeat"] + 1, **{st: cell(r, st) for st in STAGES}}
+            for r in pd_rows
+        ]
         print_table(
             "P/D: where a request's time goes (router clock, ms: mean / p50 / p99)",
             breakdown,
-            ["rate\nreq/s", *STAGES],
+            ["rate\nreq/s", *rep_column, *STAGES],
         )
+
+
+def print_chunk_sweep(chunk: dict[str, Any]) -> None:
+    """The budget ``colocated-chunked`` uses and, when it was measured, the sweep behind it."""
+    sweep = chunk.get("sweep")
+    if sweep:
+        table = [
+            {
+                "step budget\n(tokens)": "none (whole prompt)" if r["tokens"] is None else r["tokens"],
+                f"decode step\nbatch {sweep['batch']} (ms)": r["decode_step_ms"],
+                "step with a\nchunk (ms)": r["mixed_step_ms"],
+                "x decode\nstep": r["ratio"],
+                "steps per\nprompt": r["steps_per_prefill"],
+                f"{sweep['prompt_len']}-token\nprefill (ms)": r["prefill_ms"],
+                "chosen": "<-" if r["tokens"] == chunk["tokens"] else "",
+            }
+            for r in sweep["rows"]
+        ]
+        print_table(
+            f"Chunked prefill sweep (one core, {sweep['threads']} thread; batch {sweep['batch']} decoding at "
+            f"{sweep['prompt_len']}-token contexts; median of {sweep['repeats']} rounds)",
+            table,
+            list(table[0]),
+        )
+    print(f"colocated-chunked: step budget {chunk['tokens']} tokens ({chunk['source']}: {chunk['reason']})")
+
+
+def _spread_cell(entry: dict, metric: str) -> str:
+    mid, lo, hi = (entry[f"{metric}_{s}"] for s in ("median", "min", "max"))
+    if mid is None:
+        return "-"
+    fmt = (lambda v: f"{v:.3f}") if metric.startswith("goodput") else (lambda v: f"{v:.0f}")
+    return fmt(mid) if entry["repeats"] == 1 else f"{fmt(lo)} / {fmt(mid)} / {fmt(hi)}"
+
+
+def print_spread_and_verdicts(spreads: list[dict], claims: list[dict], repeats: int) -> None:
+    """Min / median / max of the key metrics over repeats, then P/D's verdict per rate."""
+    names = {"goodput_req_per_s": "goodput\nreq/s", "ttft_ms_p50": "TTFT p50\nms", "ttft_ms_p99": "TTFT p99\nms",
+             "itl_ms_p50": "ITL p50\nms", "itl_ms_p99": "ITL p99\nms", "e2e_ms_p50": "e2e p50\nms"}  # fmt: skip
+    if repeats > 1:
+        table = [
+            {
+                "setup": e["setup"],
+                "rate\nreq/s": e["rate"],
+                **{names[m]: _spread_cell(e, m) for m in KEY_METRICS},
+            }
+            for e in sorted(spreads, key=lambda e: (e["rate"], e["setup"]))
+        ]
+        print_table(
+            f"Over {repeats} repeats: min / median / max", table, ["setup", "rate\nreq/s", *names.values()]
+        )
+    if not claims:
+        return
+    by_rate: dict[float, dict[str, str]] = {}
+    for claim in claims:
+        ratio = claim["pd_over_best_median"]
+        text = claim["verdict"] if ratio is None else f"{claim['verdict']} ({ratio:.2f}x)"
+        by_rate.setdefault(claim["rate"], {"rate\nreq/s": claim["rate"]})[names[claim["metric"]]] = text
+    held = "in every one of" if repeats > 1 else "in the single run of"
+    print_table(
+        f"P/D vs the best colocated setup per metric (claimed only if it holds {held} {repeats} "
+        "repeat(s); ratio = P/D / best, median)",
+        list(by_rate.values()),
+        ["rate\nreq/s", *names.values()],
+    )
 
 
 def front_overhead(rows: list[dict]) -> list[dict]:
@@ -238,7 +410,8 @@ def _cdf(ax, values: list[float], label: str) -> None:
 
 def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[str], plot_dir: str,
              args: argparse.Namespace) -> list[str]:  # fmt: skip
-    """Latency CDFs per rate (one line per setup), goodput vs rate, and the P/D breakdown."""
+    """Latency CDFs per rate (one line per setup, every repeat's samples pooled), goodput vs rate
+    (median over repeats, bars from min to max), and the P/D breakdown (mean over repeats)."""
     paths = []
     for metric, label, slo in (("ttft", "TTFT (ms)", args.slo_ttft_ms), ("itl", "inter-token latency (ms)",
                                                                          args.slo_itl_ms)):  # fmt: skip
@@ -259,12 +432,15 @@ def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[s
 
     fig, (ax_rate, ax_frac) = new_figure(1, 2, figsize=(9, 3.6))
     for setup in setups:
-        mine = sorted(
-            (r for r in rows if r["setup"] == setup and np.isfinite(r["rate"])), key=lambda r: r["rate"]
-        )
-        xs = [r["rate"] for r in mine]
-        ax_rate.plot(xs, [r["goodput_req_per_s"] or 0.0 for r in mine], marker="o", label=setup)
-        ax_frac.plot(xs, [100 * (r["goodput_frac"] or 0.0) for r in mine], marker="o", label=setup)
+        xs = sorted({r["rate"] for r in rows if r["setup"] == setup and np.isfinite(r["rate"])})
+        for ax, key, scale in ((ax_rate, "goodput_req_per_s", 1.0), (ax_frac, "goodput_frac", 100.0)):
+            per_rate = [
+                [scale * (r[key] or 0.0) for r in rows if r["setup"] == setup and r["rate"] == x] for x in xs
+            ]
+            mid = np.array([np.median(v) for v in per_rate])
+            low = mid - np.array([min(v) for v in per_rate])
+            high = np.array([max(v) for v in per_rate]) - mid
+            ax.errorbar(xs, mid, yerr=[low, high], marker="o", capsize=3, label=setup)
     finite = [r for r in rates if np.isfinite(r)]
     if finite:
         ax_rate.plot(finite, finite, color="grey", linestyle=":", label="offered")
@@ -280,13 +456,24 @@ def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[s
     save_figure(fig, path)
     paths.append(path)
 
-    pd_rows = sorted((r for r in rows if r["setup"] == "pd"), key=lambda r: r["rate"])
-    if pd_rows:
-        fig, ax = new_figure(figsize=(1.6 * len(pd_rows) + 3, 3.6))
-        labels = [f"{r['rate']:g}" for r in pd_rows]
-        bottom = np.zeros(len(pd_rows))
+    pd_rates = sorted({r["rate"] for r in rows if r["setup"] == "pd"})
+    if pd_rates:
+        fig, ax = new_figure(figsize=(1.6 * len(pd_rates) + 3, 3.6))
+        labels = [f"{rate:g}" for rate in pd_rates]
+        bottom = np.zeros(len(pd_rates))
         for stage in STAGES:
-            heights = np.array([r[f"{stage}_ms_mean"] or 0.0 for r in pd_rows])
+            heights = np.array(
+                [
+                    np.mean(
+                        [
+                            r[f"{stage}_ms_mean"] or 0.0
+                            for r in rows
+                            if r["setup"] == "pd" and r["rate"] == rate
+                        ]
+                    )
+                    for rate in pd_rates
+                ]
+            )
             ax.bar(labels, heights, bottom=bottom, label=stage)
             bottom += heights
         ax.set_xlabel("request rate (req/s)")
