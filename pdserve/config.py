@@ -1,11 +1,14 @@
 """Engine configuration, validated up front like vLLM's config classes.
 
 Every invalid value or combination raises ``ValueError`` naming the fields involved, so a bad
-command line fails before any model is loaded.
+command line fails before any model is loaded. ``EngineConfig`` bundles them for the engine core
+process. (A checkpoint's architecture numbers are ``pdserve.engine.model.arch.ModelArchConfig``.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -133,3 +136,27 @@ class KVTransferConfig:
     @property
     def reachable_host(self) -> str:
         return self.advertise_host or self.host
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine core process needs to start, as one JSON-serialisable object."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    kv_transfer: KVTransferConfig | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        data = json.loads(text)
+        kv = data.get("kv_transfer")
+        return cls(
+            model=ModelConfig(**data["model"]),
+            scheduler=SchedulerConfig(**data["scheduler"]),
+            cache=CacheConfig(**data["cache"]),
+            kv_transfer=KVTransferConfig(**kv) if kv else None,
+        )

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from pdserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core_client import EngineCoreClient
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import SamplingParams
 

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
+from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata
-from pdserve.engine.model.config import ModelArchConfig
 from pdserve.engine.model.hf_loader import load_hf_dir
 from pdserve.engine.model.llama import (
     LlamaForCausalLM,

@@ -8,8 +8,6 @@ a valid, recent MAC is refused. Malformed frames get an error reply and never re
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import itertools
 import logging
 import threading
@@ -19,6 +17,8 @@ from typing import Any
 
 import msgpack
 import zmq
+
+from pdserve.connector import auth
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +30,9 @@ class SideChannelError(RuntimeError):
     """The peer refused us, answered garbage, or did not answer in time."""
 
 
-def _mac(token: str | None, payload: bytes) -> bytes:
-    if not token:
-        return b""
-    return hmac.new(token.encode(), payload, hashlib.sha256).digest()
-
-
 def pack(message: dict[str, Any], token: str | None) -> list[bytes]:
     payload = msgpack.packb({**message, "ts": time.time()}, use_bin_type=True)
-    return [payload, _mac(token, payload)]
+    return [payload, auth.sign(token, payload) if token else b""]
 
 
 def unpack(frames: list[bytes], token: str | None) -> dict[str, Any]:
@@ -46,7 +40,7 @@ def unpack(frames: list[bytes], token: str | None) -> dict[str, Any]:
     if len(frames) != 2:
         raise ValueError(f"expected 2 frames, got {len(frames)}")
     payload, mac = frames
-    if token and not hmac.compare_digest(mac, _mac(token, payload)):
+    if token and not auth.verify(token, payload, mac):
         raise ValueError("authentication failed: bad or missing cluster token")
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=1 << 20)

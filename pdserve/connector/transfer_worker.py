@@ -31,7 +31,7 @@ IDLE_POLL_S = 0.05
 DEADLINE_GRACE_S = 2.0
 
 
-class TransferState(enum.Enum):
+class PullState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
     TRANSFERRING = "transferring"
     SUCCESS = "success"
@@ -74,7 +74,7 @@ class LoadJob:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     error: str | None = None  # set when the job is invalid before it starts
-    state: TransferState = TransferState.BOOTSTRAPPING
+    state: PullState = PullState.BOOTSTRAPPING
     started_at: float = 0.0
     deadline: float = 0.0
     next_renew_at: float = 0.0
@@ -198,7 +198,7 @@ class TransferWorker:
             return
         try:
             self._ensure_handshake(job.remote)
-            job.state = TransferState.TRANSFERRING
+            job.state = PullState.TRANSFERRING
             job.deadline = time.monotonic() + self.transfer_timeout_s
             job.next_renew_at = time.monotonic() + self.lease_renew_s
             self._in_flight[job.req_id] = job
@@ -273,7 +273,7 @@ class TransferWorker:
         else:
             # Failed: prefill may free at once; we recompute (or fail) without its blocks.
             self._notify(job.remote, "release", [job.remote_req_id])
-        job.state = TransferState.SUCCESS if ok else TransferState.FAILED
+        job.state = PullState.SUCCESS if ok else PullState.FAILED
         seconds = time.monotonic() - job.started_at
         if ok:
             logger.debug("%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3)

@@ -30,8 +30,8 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.asyncio
 
+from pdserve.config import EngineConfig
 from pdserve.engine import messages
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams
 

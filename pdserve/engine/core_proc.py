@@ -16,9 +16,9 @@ from typing import Any
 
 import zmq
 
+from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("pdserve.core")

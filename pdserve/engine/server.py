@@ -19,9 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import validate_prompt
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc

@@ -28,8 +28,6 @@ down with it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import math
 import os
@@ -43,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+from pdserve.connector import auth
 from pdserve.connector.transports.base import BlockRun, KVTransport, ReadJob, RemotePeer, kv_bytes
 
 logger = logging.getLogger(__name__)
@@ -380,17 +379,13 @@ class _TcpServer:
 # ---------------------------------------------------------------------- socket helpers
 
 
-def _mac(token: str, challenge: str) -> str:
-    return hmac.new(token.encode(), challenge.encode(), hashlib.sha256).hexdigest()
-
-
 def _authenticate(sock: socket.socket, token: str, deadline: float) -> None:
     """Reader side of the challenge-response; ConnectionError if the server refuses."""
     _send_buffers(sock, [_frame({"hello": True})], deadline)
     reply = _recv_frame(sock, deadline)
     if not reply or not reply.get("ok") or not isinstance(reply.get("challenge"), str):
         raise ConnectionError(f"server refused the handshake: {(reply or {}).get('error', 'connection closed')}")
-    _send_buffers(sock, [_frame({"mac": _mac(token, reply["challenge"])})], deadline)
+    _send_buffers(sock, [_frame({"mac": auth.sign(token, reply["challenge"].encode())})], deadline)
     reply = _recv_frame(sock, deadline)
     if not reply or not reply.get("ok"):
         raise ConnectionError(f"authentication failed: {(reply or {}).get('error', 'connection closed')}")
@@ -409,8 +404,7 @@ def _check_reader(conn: socket.socket, token: str) -> bool:
     challenge = os.urandom(16).hex()
     _send_buffers(conn, [_frame({"ok": True, "challenge": challenge})], deadline)
     answer = _recv_frame(conn, deadline)
-    mac = answer.get("mac") if answer else None
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(token, challenge)):
+    if not answer or not auth.verify(token, challenge.encode(), answer.get("mac")):
         _send_buffers(conn, [_frame({"ok": False, "error": "authentication failed"})], deadline)
         return False
     _send_buffers(conn, [_frame({"ok": True})], deadline)

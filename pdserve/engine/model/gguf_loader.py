@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import parse_dtype
-from pdserve.engine.model.config import ModelArchConfig
+from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.llama import hf_to_model_state_dict
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine.kv_layout import parse_dtype
-from pdserve.engine.model.config import ModelArchConfig
+from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.llama import hf_to_model_state_dict
 
 

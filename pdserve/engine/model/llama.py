@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
-from pdserve.engine.model.config import ModelArchConfig
 
 
 def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:

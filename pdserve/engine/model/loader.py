@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_layout import parse_dtype
-from pdserve.engine.model.config import ModelArchConfig
+from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_loader import load_gguf, open_gguf
 from pdserve.engine.model.hf_loader import load_hf_dir
 from pdserve.engine.model.llama import LlamaForCausalLM, build_model
