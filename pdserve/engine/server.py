@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 import uuid
 from typing import Any
 
@@ -49,6 +50,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.draining = False  # SIGTERM: refuse new requests, finish the running ones
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
+        front_events = {"front_received": time.time()}  # sent with the first message
         if self.draining:
             # The router marks this engine down and sends the request elsewhere.
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} engine {self.address} is draining")
@@ -75,12 +77,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     await context.abort(*_error_status(str(output.stop_reason)))
                 finished = output.finished
                 self.metrics.observe_output(output)
+                timeline = {**front_events, **(output.timeline or {})}
+                front_events = {}
                 yield engine_pb2.EngineGenerateResponse(
                     request_id=request_id,
                     token_ids=output.new_token_ids,
                     finish_reason=output.finish_reason or "",
                     kv_transfer_params=kv_params_to_proto(output.kv_transfer_params),
                     num_cached_tokens=output.num_cached_tokens,
+                    timeline=timeline,
                 )
                 if finished:
                     logger.info("%s: finished (%s)", request_id, output.finish_reason)
