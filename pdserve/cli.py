@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion with the colocated engine")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    gen.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
+    )
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -99,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--router", default=None, help="send to a running router (HOST:PORT) instead of loading the model")
+    gen.add_argument(
+        "--router", default=None, help="send to a running router (HOST:PORT) instead of loading the model"
+    )
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (with --router)")
     gen.set_defaults(func=_generate)
 
@@ -113,9 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pdserve.engine import server as engine_server
 
-    colocated = sub.add_parser("serve", help="run a colocated engine (no KV transfer) behind the Engine gRPC API")
+    colocated = sub.add_parser(
+        "serve", help="run a colocated engine (no KV transfer) behind the Engine gRPC API"
+    )
     engine_server.add_engine_args(colocated)
-    colocated.set_defaults(func=lambda args: engine_server.run_engine_server(args, role="colocated", kv_role=None))
+    colocated.set_defaults(
+        func=lambda args: engine_server.run_engine_server(args, role="colocated", kv_role=None)
+    )
 
     from pdserve.router import server as router_server
 
@@ -131,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help=f"benchmarks ({', '.join(BENCHMARKS)})")
     bench.add_argument("what", choices=BENCHMARKS)
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see its --help)")
+    bench.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see its --help)"
+    )
     bench.set_defaults(func=lambda args: _bench(args.what, args.args))
     return parser
 
@@ -142,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return int(args.func(args) or 0)
 
 

@@ -40,7 +40,11 @@ class Client:
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+            address,
+            options=[
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ],
         )
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
@@ -104,7 +108,9 @@ class Client:
         finally:
             call.cancel()  # a no-op once the stream has ended; cancels it if we stopped early
 
-    def generate(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any) -> Completion:
+    def generate(
+        self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
+    ) -> Completion:
         """Run one request to completion."""
         token_ids: list[int] = []
         text: list[str] = []
@@ -144,5 +150,7 @@ def _as_dict(message: Any) -> dict[str, Any]:
     out = {}
     for f in message.DESCRIPTOR.fields:
         value = getattr(message, f.name)
-        out[f.name] = dict(value) if f.message_type is not None and f.message_type.GetOptions().map_entry else value
+        out[f.name] = (
+            dict(value) if f.message_type is not None and f.message_type.GetOptions().map_entry else value
+        )
     return out

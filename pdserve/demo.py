@@ -99,7 +99,9 @@ def run_openai_sdk(base_url: str) -> None:
             print(chunk.choices[0].delta.content.replace("\n", "\n     "), end="", flush=True)
         if chunk.usage is not None:
             usage = chunk.usage
-    print(f"\n  usage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens", flush=True)
+    print(
+        f"\n  usage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens", flush=True
+    )
 
 
 def print_kv_accounting(client: Client, timeout_s: float = 10.0) -> None:

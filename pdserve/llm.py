@@ -76,9 +76,7 @@ class LLM:
             else list(sampling_params)
         )
         if len(params_list) != len(prompt_list):
-            raise ValueError(
-                f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
-            )
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts")
         requests = [
             EngineCoreRequest(
                 request_id=f"llm-{next(self._ids)}",

@@ -49,7 +49,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prior_output_tokens:
         name: (getattr(msg, name) if msg.HasField(name) else default)
         for name, default in _OPTIONAL_SAMPLING_FIELDS.items()
     }
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+    ):
         values[name] = float(values[name])
     return SamplingParams(
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
@@ -83,7 +90,9 @@ def kv_params_to_proto(params: dict[str, Any] | None) -> common_pb2.KVTransferPa
     return common_pb2.KVTransferParams(remote_block_ids=list(params.get("remote_block_ids", [])), **fields)
 
 
-def engine_stats_to_proto(stats: SchedulerStats, role: str, address: str, healthy: bool) -> common_pb2.EngineStats:
+def engine_stats_to_proto(
+    stats: SchedulerStats, role: str, address: str, healthy: bool
+) -> common_pb2.EngineStats:
     connector = stats.kv_connector  # the connector's own counters: none without a connector
     return common_pb2.EngineStats(
         role=role,

@@ -20,7 +20,9 @@ def build(path: Path = BASE) -> list[dict[str, Any]]:
     """Every object ``kubectl kustomize PATH`` builds (skips the test if kubectl is missing)."""
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: kustomize builds cannot be checked here")
-    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 

@@ -21,7 +21,9 @@ def engine_config(model_path: str | None, role: str, transport: str, **kv: objec
 
 
 @contextmanager
-def pd_pair(model_path: str | None, transport: str, prefill_kv: dict | None = None, decode_kv: dict | None = None):
+def pd_pair(
+    model_path: str | None, transport: str, prefill_kv: dict | None = None, decode_kv: dict | None = None
+):
     prefill = EngineCoreClient(engine_config(model_path, "producer", transport, **(prefill_kv or {})))
     try:
         decode = EngineCoreClient(engine_config(model_path, "consumer", transport, **(decode_kv or {})))

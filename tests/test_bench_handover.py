@@ -41,7 +41,13 @@ def test_every_phase_reports_and_every_request_succeeds(bench_run):
     c1, load = payload["concurrency_1"], payload["load"]
     assert c1["requests"] == 3 and load["requests"] == 4 and load["failed"] == 0
     assert c1["pull_source"] == "timeline"  # the pull comes from each request's own timeline
-    for key in ("handover_p50_ms", "decode_step_p50_ms", "pull_p50_ms", "ttft_pd_p50_ms", "ttft_colocated_p50_ms"):
+    for key in (
+        "handover_p50_ms",
+        "decode_step_p50_ms",
+        "pull_p50_ms",
+        "ttft_pd_p50_ms",
+        "ttft_colocated_p50_ms",
+    ):
         assert c1[key] > 0 and math.isfinite(c1[key]), key
     assert c1["ttft_ratio"] == pytest.approx(c1["ttft_pd_p50_ms"] / c1["ttft_colocated_p50_ms"])
     assert load["handover_p50_ms"] > 0 and load["decode_step_p50_ms"] > 0

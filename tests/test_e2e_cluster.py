@@ -144,7 +144,9 @@ def test_sampling_parameters_give_the_colocated_tokens_through_prefill_and_decod
     fresh = _fresh_prompt(tiny_llm.tokenizer, 200)
     for prompt in (prompts[0], fresh):  # decode alone, and through prefill
         expected = tiny_llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, **fields))[0]
-        got = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout=CALL_TIMEOUT_S, **fields)
+        got = client.generate(
+            prompt_token_ids=prompt, max_tokens=MAX_TOKENS, timeout=CALL_TIMEOUT_S, **fields
+        )
         assert got.token_ids == expected.token_ids, (case, len(prompt))
         assert bool(got.metrics["prefill_engine"]) == (prompt is fresh)
     _assert_all_idle(client)
@@ -203,7 +205,10 @@ HANDOVER_EVENTS = [
 
 def test_final_message_and_trace_file_carry_the_handover_timeline_in_order(client, tiny_llm, trace_file):
     out = client.generate(
-        prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer), max_tokens=4, ignore_eos=True, timeout=CALL_TIMEOUT_S
+        prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer),
+        max_tokens=4,
+        ignore_eos=True,
+        timeout=CALL_TIMEOUT_S,
     )
     timeline = out.metrics["timeline_ms"]
     assert out.metrics["decode_engine"] and out.metrics["prefill_engine"], out.metrics
@@ -371,9 +376,7 @@ def test_bad_sampling_value_is_refused_by_the_client_and_by_the_router(cluster, 
 def test_unset_max_tokens_means_sixteen_over_raw_grpc(cluster):
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-    request = router_pb2.GenerateRequest(
-        prompt="Hello", sampling=common_pb2.SamplingParams(ignore_eos=True)
-    )
+    request = router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingParams(ignore_eos=True))
     with grpc.insecure_channel(cluster.router_address) as channel:
         messages = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=CALL_TIMEOUT_S))
     assert sum(len(m.token_ids) for m in messages) == 16

@@ -100,7 +100,9 @@ def make_core(tiny_loaded) -> tuple[EngineCore, WorkerFakeConnector, Script]:
 
 
 def local_request(request_id: str, num_tokens: int, max_tokens: int) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return EngineCoreRequest(
+        request_id, list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def remote_request(request_id: str, num_tokens: int, max_tokens: int) -> EngineCoreRequest:

@@ -72,7 +72,9 @@ def test_no_secret_is_written_in_a_manifest(docs):
     text = yaml.safe_dump_all(docs)
     assert not re.search(r"\b[0-9a-f]{32}\b", text)
     for name in ENGINES:
-        (token,) = [e for e in _pod(docs, name)["containers"][0]["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
+        (token,) = [
+            e for e in _pod(docs, name)["containers"][0]["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"
+        ]
         assert "value" not in token
         assert token["valueFrom"]["secretKeyRef"] == {"name": "pdserve-cluster-token", "key": "token"}
 
@@ -85,7 +87,11 @@ def test_containers_are_locked_down_sized_and_probed_on_the_grpc_health_service(
         security = container["securityContext"]
         assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
         assert security["capabilities"]["drop"] == ["ALL"]
-        assert {"cpu", "memory"} <= set(container["resources"]["requests"]) <= set(container["resources"]["limits"])
+        assert (
+            {"cpu", "memory"}
+            <= set(container["resources"]["requests"])
+            <= set(container["resources"]["limits"])
+        )
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": 50051}, (name, probe)
         # A read-only root needs a writable /tmp (the engine core's IPC sockets).

@@ -116,7 +116,9 @@ def test_completion_of_a_batch_of_prompts_and_of_token_ids(sdk, tiny_llm, long_p
     one = sdk.completions.create(model=MODEL, prompt=ids[1], max_tokens=6, extra_body=EXTRA, **GREEDY)
     assert one.choices[0].model_extra["token_ids"] == reply.choices[1].model_extra["token_ids"]
     many = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=6, extra_body=EXTRA, **GREEDY)
-    assert [c.model_extra["token_ids"] for c in many.choices] == [c.model_extra["token_ids"] for c in reply.choices]
+    assert [c.model_extra["token_ids"] for c in many.choices] == [
+        c.model_extra["token_ids"] for c in reply.choices
+    ]
     assert many.usage.prompt_tokens == sum(len(i) for i in ids)
 
 
@@ -151,12 +153,19 @@ def test_chat_streamed_deltas_equal_the_non_streamed_content(sdk, grpc_client):
         {"role": "assistant", "content": "Paris."},
         {"role": "user", "content": "And of Italy?"},
     ]
-    whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, extra_body=EXTRA, **GREEDY)
+    whole = sdk.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, extra_body=EXTRA, **GREEDY
+    )
     (choice,) = whole.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     chunks = list(
         sdk.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=12, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -190,10 +199,16 @@ def test_stop_string_ends_the_text_before_it_and_frees_the_engines(sdk, grpc_cli
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == stop
     assert cut.usage.completion_tokens < 40
     kept = sdk.completions.create(
-        model=MODEL, prompt=long_prompt, max_tokens=40, stop=stop, extra_body={"include_stop_str_in_output": True}
+        model=MODEL,
+        prompt=long_prompt,
+        max_tokens=40,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True},
     )
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
-    streamed = list(sdk.completions.create(model=MODEL, prompt=long_prompt, max_tokens=40, stop=[stop], stream=True))
+    streamed = list(
+        sdk.completions.create(model=MODEL, prompt=long_prompt, max_tokens=40, stop=[stop], stream=True)
+    )
     deltas = [c.choices[0].text for c in streamed]
     assert "".join(deltas) == text[: text.index(stop)]
     assert streamed[-1].choices[0].finish_reason == "stop"
@@ -377,7 +392,8 @@ def test_a_client_gone_mid_request_aborts_it_on_every_engine(cluster, grpc_clien
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
             )
             time.sleep(1.5)  # prefill has answered; the decode stage is waiting on the frozen engine
         time.sleep(0.5)  # the router sees the disconnect and aborts while decode is still frozen
@@ -389,7 +405,9 @@ def test_a_client_gone_mid_request_aborts_it_on_every_engine(cluster, grpc_clien
 
 
 def test_curl_streams_server_sent_events(cluster):
-    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True, "ignore_eos": True})
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    )
     out = subprocess.run(
         ["curl", "-sN", f"{cluster.http_url}/completions", "-H", "Content-Type: application/json", "-d", body],
         capture_output=True, text=True, timeout=60, check=True,

@@ -34,7 +34,10 @@ def _expected(tiny_llm) -> list[int]:
 def _start_pull(prefill: EngineCoreClient, decode: EngineCoreClient, request_id: str) -> list[int]:
     """Prefill's first token, then hand the request to decode without waiting for it."""
     first = prefill.generate(
-        request_id, PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), kv_transfer_params={"do_remote_decode": True}
+        request_id,
+        PROMPT,
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        kv_transfer_params={"do_remote_decode": True},
     )
     decode.add_request(
         request_id,
@@ -98,7 +101,9 @@ def test_prefill_killed_mid_transfer(tiny_model_dir, tiny_llm, policy):
 
 def test_stalled_transfer_ends_at_decode_timeout(tiny_model_dir, tiny_llm):
     expected = _expected(tiny_llm)
-    with pd_pair(tiny_model_dir, "tcp", prefill_kv={"extra": STALL}, decode_kv={"transfer_timeout_s": 1.0}) as (
+    with pd_pair(
+        tiny_model_dir, "tcp", prefill_kv={"extra": STALL}, decode_kv={"transfer_timeout_s": 1.0}
+    ) as (
         prefill,
         decode,
     ):
@@ -122,7 +127,9 @@ def test_decode_killed_mid_transfer_prefill_frees_within_lease(tiny_model_dir):
         finally:
             decode.proc.kill()
             decode.close()
-        waited = _wait_for(lambda: prefill.stats()["num_held_blocks"] == 0, 6, "prefill to free the orphaned blocks")
+        waited = _wait_for(
+            lambda: prefill.stats()["num_held_blocks"] == 0, 6, "prefill to free the orphaned blocks"
+        )
         assert waited < 4  # within the 1.5 s lease (+ polling slack)
         assert prefill.stats()["kv_cache_usage"] == 0.0
 
@@ -147,18 +154,23 @@ def test_blocks_freed_during_a_pull_are_never_used(tiny_model_dir, tiny_llm):
     those blocks before the pull resumes: decode must not keep the overwritten KV (it would
     silently generate garbage); it detects the lost lease and recomputes."""
     expected = _expected(tiny_llm)
-    stall_once = {"transport_options": {"fault": {"after_bytes": 0, "action": "stall", "stall_s": 2.0, "times": 1}}}
+    stall_once = {
+        "transport_options": {"fault": {"after_bytes": 0, "action": "stall", "stall_s": 2.0, "times": 1}}
+    }
     prefill_config = engine_config(tiny_model_dir, "producer", "tcp", extra=stall_once, num_blocks=8)
     prefill_config.scheduler.max_model_len = 128
     prefill_config.scheduler.max_num_batched_tokens = 128
-    with EngineCoreClient(prefill_config) as prefill, EngineCoreClient(
-        engine_config(tiny_model_dir, "consumer", "tcp", transfer_timeout_s=30.0)
-    ) as decode:
+    with (
+        EngineCoreClient(prefill_config) as prefill,
+        EngineCoreClient(engine_config(tiny_model_dir, "consumer", "tcp", transfer_timeout_s=30.0)) as decode,
+    ):
         _start_pull(prefill, decode, "victim")
         prefill.abort(["victim"])
         _wait_for(lambda: prefill.stats()["num_held_blocks"] == 0, 5, "prefill to drop the aborted request")
         # 120 new tokens need all 8 blocks: the victim's blocks are overwritten.
-        reuse = prefill.generate("reuse", list(range(150, 270)), SamplingParams(max_tokens=1, ignore_eos=True))
+        reuse = prefill.generate(
+            "reuse", list(range(150, 270)), SamplingParams(max_tokens=1, ignore_eos=True)
+        )
         assert reuse.finish_reason == "length"
         tokens, last = _collect(decode, "victim", timeout_s=15)
         assert last.finish_reason == "length"

@@ -10,8 +10,12 @@ from pdserve.connector.transports.tcp import TcpTransport
 def _pair(server_token, reader_token):
     server_cache = torch.arange(4 * 64, dtype=torch.float32).reshape(4, 64)
     reader_cache = torch.zeros(4, 64)
-    server = TcpTransport(server_cache, role="producer", engine_id="prefill", token=server_token, transfer_timeout_s=5)
-    reader = TcpTransport(reader_cache, role="consumer", engine_id="decode", token=reader_token, transfer_timeout_s=5)
+    server = TcpTransport(
+        server_cache, role="producer", engine_id="prefill", token=server_token, transfer_timeout_s=5
+    )
+    reader = TcpTransport(
+        reader_cache, role="consumer", engine_id="decode", token=reader_token, transfer_timeout_s=5
+    )
     reader.add_remote("prefill", server.local_metadata())
     return server, reader, server_cache, reader_cache
 

@@ -39,7 +39,9 @@ class KVConnectorBase(ABC):
         ``WAITING_FOR_REMOTE_KVS``)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """Blocks were allocated for ``request``; the last ``num_external_tokens`` worth are to be
         filled from the remote engine."""
 

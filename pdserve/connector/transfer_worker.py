@@ -120,7 +120,12 @@ class TransferWorker:
         self._timelines: dict[str, dict[str, float]] = {}  # {req_id: events}, until taken
         self._invalid: set[int] = set()
         self._last_error = ""
-        self._counters = {"num_loads_ok": 0, "num_loads_failed": 0, "num_blocks_pulled": 0, "transfer_seconds": 0.0}
+        self._counters = {
+            "num_loads_ok": 0,
+            "num_loads_failed": 0,
+            "num_blocks_pulled": 0,
+            "transfer_seconds": 0.0,
+        }
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._in_flight: dict[str, LoadJob] = {}  # {req_id: job}, owned by the thread
         self._stop = threading.Event()
@@ -276,7 +281,9 @@ class TransferWorker:
         job.state = PullState.SUCCESS if ok else PullState.FAILED
         seconds = time.monotonic() - job.started_at
         if ok:
-            logger.debug("%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3)
+            logger.debug(
+                "%s: pulled %d blocks in %.2f ms", job.req_id, len(job.local_block_ids), seconds * 1e3
+            )
         else:
             logger.warning("%s: KV pull from %s failed: %s", job.req_id, job.remote.engine_id, error)
         job.timeline["released"] = time.time()
@@ -300,7 +307,10 @@ class TransferWorker:
         except SideChannelError as exc:
             return False, f"could not confirm the lease after the read: {exc}"
         if reply.get("released") != 1:
-            return False, "prefill no longer held the blocks (lease expired or request aborted) when the read ended"
+            return (
+                False,
+                "prefill no longer held the blocks (lease expired or request aborted) when the read ended",
+            )
         return True, None
 
     def _peer(self, remote: RemoteRef) -> _Peer:

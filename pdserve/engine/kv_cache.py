@@ -197,7 +197,9 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Which blocks each request holds, and how many of them are in the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -326,4 +328,3 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
-

@@ -19,13 +19,20 @@ class EngineMetrics:
         self.kv_usage = gauge("pdserve_engine_kv_cache_usage", "Fraction of KV blocks referenced by requests")
         self.running = gauge("pdserve_engine_num_running", "Requests running")
         self.waiting = gauge("pdserve_engine_num_waiting", "Requests waiting (incl. for remote KV)")
-        self.waiting_remote = gauge("pdserve_engine_num_waiting_for_remote_kvs", "Requests waiting for remote KV")
-        self.held_blocks = gauge("pdserve_engine_num_held_blocks", "Blocks held for remote decode under a lease")
+        self.waiting_remote = gauge(
+            "pdserve_engine_num_waiting_for_remote_kvs", "Requests waiting for remote KV"
+        )
+        self.held_blocks = gauge(
+            "pdserve_engine_num_held_blocks", "Blocks held for remote decode under a lease"
+        )
         self.blocks_pulled = gauge("pdserve_engine_kv_blocks_pulled", "KV blocks pulled from prefill engines")
         self.loads_failed = gauge("pdserve_engine_kv_loads_failed", "Remote KV loads that failed")
         self.leases_expired = gauge("pdserve_engine_kv_leases_expired", "Held-block leases that expired")
         self.finished = Counter(
-            "pdserve_engine_requests_finished", "Finished requests", [*names, "finish_reason"], registry=self.registry
+            "pdserve_engine_requests_finished",
+            "Finished requests",
+            [*names, "finish_reason"],
+            registry=self.registry,
         )
         self.tokens = Counter(
             "pdserve_engine_generated_tokens", "Generated tokens", names, registry=self.registry

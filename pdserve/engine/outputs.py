@@ -74,7 +74,6 @@ class ModelRunnerOutput:
     invalid_block_ids: set[int] | None = None
 
 
-
 @dataclass
 class EngineCoreOutput:
     """New tokens (and, once finished, why) for one request in one step."""

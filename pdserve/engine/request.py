@@ -77,7 +77,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or (self.top_k < 1 and self.top_k != -1)
+        ):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -86,7 +90,9 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
@@ -98,7 +104,9 @@ class SamplingParams:
             or isinstance(self.num_prior_output_tokens, bool)
             or self.num_prior_output_tokens < 0
         ):
-            raise ValueError(f"num_prior_output_tokens must be an integer >= 0, got {self.num_prior_output_tokens!r}")
+            raise ValueError(
+                f"num_prior_output_tokens must be an integer >= 0, got {self.num_prior_output_tokens!r}"
+            )
         for token in self.stop_token_ids:
             if not isinstance(token, int) or token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise ValueError(f"stop_token_ids: {token!r} is not a token id of this vocabulary")
@@ -114,7 +122,10 @@ def _is_number(value: Any) -> bool:
 
 
 def validate_prompt(
-    prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int | None, num_prior_output_tokens: int = 0
+    prompt_token_ids: Sequence[int],
+    max_model_len: int,
+    vocab_size: int | None,
+    num_prior_output_tokens: int = 0,
 ) -> None:
     """Raise ValueError naming the field for an empty, too long or out-of-vocab prompt, or one
     with no prompt proper before its ``num_prior_output_tokens`` earlier outputs."""
@@ -130,12 +141,13 @@ def validate_prompt(
             f"to generate within max_model_len ({max_model_len})"
         )
     for token in prompt_token_ids:
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0 or (
-            vocab_size is not None and token >= vocab_size
+        if (
+            not isinstance(token, int)
+            or isinstance(token, bool)
+            or token < 0
+            or (vocab_size is not None and token >= vocab_size)
         ):
-            raise ValueError(
-                f"prompt_token_ids: {token!r} is outside the vocabulary [0, {vocab_size})"
-            )
+            raise ValueError(f"prompt_token_ids: {token!r} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass

@@ -198,7 +198,10 @@ class ModelRunner:
     ) -> AttentionMetadata:
         def block_table(segs: list[_Segment]) -> torch.Tensor:
             width = max((-(-seg.end // self.block_size) for seg in segs), default=0)
-            rows = [seg.state.block_ids[:width] + [0] * (width - min(width, len(seg.state.block_ids))) for seg in segs]
+            rows = [
+                seg.state.block_ids[:width] + [0] * (width - min(width, len(seg.state.block_ids)))
+                for seg in segs
+            ]
             return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(segs), width)
 
         decodes, prefills = segments[:num_decodes], segments[num_decodes:]
@@ -212,5 +215,7 @@ class ModelRunner:
             decode_seq_lens=torch.tensor([seg.end for seg in decodes], dtype=torch.int32, device=self.device),
             prefill_block_tables=block_table(prefills),
             prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=self.device),
-            prefill_seq_lens=torch.tensor([seg.end for seg in prefills], dtype=torch.int32, device=self.device),
+            prefill_seq_lens=torch.tensor(
+                [seg.end for seg in prefills], dtype=torch.int32, device=self.device
+            ),
         )

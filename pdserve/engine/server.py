@@ -63,13 +63,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.core.has_stream(request_id):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
+            )
         kv_params = kv_params_from_proto(request.kv_transfer_params)
         queue = self.core.open_stream(request_id)
         finished = False
         try:
             await self.core.add_request(request_id, prompt, sampling, kv_params, request.priority)
-            logger.info("%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params))
+            logger.info(
+                "%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params)
+            )
             while True:
                 output = await queue.get()
                 if output.finish_reason == "error":
@@ -134,7 +138,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 def _error_status(reason: str) -> tuple[grpc.StatusCode, str]:
     if reason == "kv_load_failed":
         # Not UNAVAILABLE: this engine is fine, the request's remote KV is what was lost.
-        return grpc.StatusCode.ABORTED, "KV transfer from the prefill engine failed (kv_load_failure_policy=fail)"
+        return (
+            grpc.StatusCode.ABORTED,
+            "KV transfer from the prefill engine failed (kv_load_failure_policy=fail)",
+        )
     if reason.startswith("internal error"):
         return grpc.StatusCode.INTERNAL, reason
     if reason == "engine core died":
@@ -253,7 +260,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, required=True, help="gRPC port")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -274,7 +283,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, seconds to finish running requests and leases before exiting",
     )
-    parser.add_argument("--cluster-token", default=None, help="HMAC key for the KV side channel (or PDSERVE_CLUSTER_TOKEN)")
+    parser.add_argument(
+        "--cluster-token", default=None, help="HMAC key for the KV side channel (or PDSERVE_CLUSTER_TOKEN)"
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> EngineConfig:
@@ -304,7 +315,9 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
             kv_load_failure_policy=args.kv_load_failure_policy,
         ),
         cache=CacheConfig(
-            block_size=args.block_size, num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
         ),
         kv_transfer=kv,
     )

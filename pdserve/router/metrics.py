@@ -13,9 +13,14 @@ class RouterMetrics:
         self.requests = Counter(
             "pdserve_router_requests", "Requests by how they ended", ["finish_reason"], registry=self.registry
         )
-        self.rejected = Counter("pdserve_router_rejected", "Requests refused", ["code"], registry=self.registry)
+        self.rejected = Counter(
+            "pdserve_router_rejected", "Requests refused", ["code"], registry=self.registry
+        )
         self.ttft = Histogram(
-            "pdserve_router_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=self.registry
+            "pdserve_router_ttft_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.itl = Histogram(
             "pdserve_router_inter_token_latency_seconds",
@@ -30,10 +35,16 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.in_flight = Gauge(
-            "pdserve_router_engine_in_flight", "Requests in flight per engine", ["role", "engine"], registry=self.registry
+            "pdserve_router_engine_in_flight",
+            "Requests in flight per engine",
+            ["role", "engine"],
+            registry=self.registry,
         )
         self.healthy = Gauge(
-            "pdserve_router_engine_healthy", "1 if the engine is in rotation", ["role", "engine"], registry=self.registry
+            "pdserve_router_engine_healthy",
+            "1 if the engine is in rotation",
+            ["role", "engine"],
+            registry=self.registry,
         )
 
         self.http_requests = Counter(

@@ -384,7 +384,9 @@ def _authenticate(sock: socket.socket, token: str, deadline: float) -> None:
     _send_buffers(sock, [_frame({"hello": True})], deadline)
     reply = _recv_frame(sock, deadline)
     if not reply or not reply.get("ok") or not isinstance(reply.get("challenge"), str):
-        raise ConnectionError(f"server refused the handshake: {(reply or {}).get('error', 'connection closed')}")
+        raise ConnectionError(
+            f"server refused the handshake: {(reply or {}).get('error', 'connection closed')}"
+        )
     _send_buffers(sock, [_frame({"mac": auth.sign(token, reply["challenge"].encode())})], deadline)
     reply = _recv_frame(sock, deadline)
     if not reply or not reply.get("ok"):
