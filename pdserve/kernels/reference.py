@@ -46,6 +46,37 @@ def _gather_context(
     return keys, values
 
 
+# A decode group may gather up to PADDING x its members' real context + SLACK positions (see
+# below); the slack, about what one more attention call costs, keeps short contexts together.
+DECODE_GROUP_PADDING = 1.25
+DECODE_GROUP_SLACK = 512
+
+
+def decode_length_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Sequence indices in groups of similar context length, shortest first.
+
+    Walking the lengths in ascending order, a sequence joins the current group unless that
+    would pad the group (``size x longest``) beyond ``DECODE_GROUP_PADDING`` times its real
+    total plus ``DECODE_GROUP_SLACK``. With a long-tailed mix (chat traffic), padding every
+    sequence to the longest one made the gather, which dominates CPU decode attention, several
+    times larger than the contexts themselves (4x at 200 ShareGPT-like requests, 1.24x in 6
+    groups); a few groups cost a few more calls.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    total = 0
+    for index in order:
+        length = seq_lens[index]
+        padded_limit = DECODE_GROUP_PADDING * (total + length) + DECODE_GROUP_SLACK
+        if groups and (len(groups[-1]) + 1) * length <= padded_limit:
+            groups[-1].append(index)
+            total += length
+        else:
+            groups.append([index])
+            total = length
+    return groups
+
+
 def paged_attention_decode_ref(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query token per sequence
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
@@ -55,9 +86,28 @@ def paged_attention_decode_ref(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Single-token attention over each sequence's paged context (GQA by head grouping).
 
-    Batched: all sequences' blocks are gathered up to the longest one and the tail is masked,
-    which on CPU is far cheaper than one small attention call per sequence.
+    Batched by groups of similar length (``decode_length_groups``): each group's blocks are
+    gathered up to its longest member and the tail is masked, which on CPU is far cheaper than
+    one small attention call per sequence, and wastes little on padding.
     """
+    groups = decode_length_groups(seq_lens.tolist())
+    if len(groups) == 1:
+        return _decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale)
+    out = torch.empty_like(query)
+    for group in groups:
+        rows = torch.tensor(group, device=query.device)
+        out[rows] = _decode_attention(query[rows], kv_cache_layer, block_tables[rows], seq_lens[rows], scale)
+    return out
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention_decode_ref`` for one group: every context padded to the longest."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     max_len = int(seq_lens.max())
@@ -87,11 +137,12 @@ def causal_self_attention_ref(
     """Causal attention of a chunk with no cached prefix, over its own K/V.
 
     Such a chunk attends to nothing but itself, so its contiguous new K/V are the whole context:
-    no gather from the paged cache is needed, and ``is_causal=True`` replaces the explicit mask.
-    That matters on CPU: with a mask, SDPA runs its math path (the full [heads, q, L] score
-    matrix, ~4x slower at 512 tokens); with ``is_causal`` and no mask it runs the flash kernel,
-    which also skips the upper triangle. ``enable_gqa`` lets query heads share KV heads without a
-    repeated copy; it is the call transformers makes for an unpadded prompt, so both round alike.
+    no gather from the paged cache is needed, and ``is_causal=True`` replaces the explicit mask,
+    which lets CPU SDPA's flash kernel skip the blocks above the diagonal instead of computing
+    and masking them. ``enable_gqa`` lets query heads share KV heads without a repeated copy. It
+    is the call transformers makes for an unpadded prompt, so both round alike. (Before this
+    path and the general path's ``enable_gqa``, prefill attention ran SDPA's math path on a
+    repeated mask and took ~25% of a 512-token prefill of SmolLM2-135M.)
     """
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
@@ -123,9 +174,7 @@ def paged_attention_prefill_ref(
     starts at position 0 (no cached prefix) takes ``causal_self_attention_ref`` on them instead:
     same result, no gather and no explicit mask.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
-    group = num_heads // num_kv_heads
+    block_size = kv_cache_layer.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -147,18 +196,20 @@ def paged_attention_prefill_ref(
             kv_cache_layer, block_tables[seq], (seq_len + block_size - 1) // block_size
         )
         keys, values = keys[:seq_len], values[:seq_len]  # [L, Hkv, D]
-        # Fold the query heads sharing a KV head into the query-length axis: one attention per
-        # KV head with no broadcast or copy of K/V (both make CPU SDPA take its slow path).
-        q = query[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(num_kv_heads, group * q_len, head_dim)
-        k = keys.permute(1, 0, 2)  # [Hkv, L, D]
-        v = values.permute(1, 0, 2)
+        # One call over all heads: enable_gqa shares each KV head with its query heads (no
+        # repeated K/V) and the [q, L] mask is shared by every head. On torch 2.13's CPU SDPA
+        # this runs 2-3x faster than folding the query heads into the length axis with a
+        # repeated mask (measured at q 64-1000, L 500-1024, SmolLM2's 9/3 heads).
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        k = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v = values.transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
-        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * q, L]
-        attn = F.scaled_dot_product_attention(q.to(keys.dtype), k, v, attn_mask=mask, scale=scale)
-        attn = attn.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-        out[q_start:q_end] = attn.reshape(q_len, num_heads, head_dim).to(query.dtype)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q, L]
+        attn = F.scaled_dot_product_attention(
+            q.to(keys.dtype), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[q_start:q_end] = attn[0].transpose(0, 1).to(query.dtype)
     return out
 
 
