@@ -8,8 +8,9 @@ session, so that every ratio compares numbers taken under the same machine load:
 
 1. **Concurrency 1.** A 1P1D cluster and a colocated engine (same router code, one decode
    engine, no prefill) take turns on the same prompts. Overhead = client-side gap between the
-   first and second token - one decode step (the median of later gaps) - the KV pull (from the
-   request's timeline). TTFT of P/D is compared with colocated.
+   first and second token - one decode step (the step that made the second token, from the
+   request's timeline; the median of later gaps for builds without one, also reported) - the
+   KV pull (from the timeline). TTFT of P/D is compared with colocated.
 2. **Under load.** Poisson arrivals (default 0.5 req/s) on a 1P1D cluster set up as in
    ``bench serve`` (each engine pinned to its own core, one thread): the handover p50 against
    pull + 1.5 decode steps (a request landing mid-step waits half a step on average, then runs
@@ -75,6 +76,12 @@ class RequestTrace:
     def later_gaps_ms(self) -> list[float]:
         t = self.token_times
         return [(b - a) * 1e3 for a, b in zip(t[1:], t[2:], strict=False)]
+
+    @property
+    def first_step_ms(self) -> float | None:
+        """The decode step that produced this request's second token, from its timeline."""
+        start, end = self.timeline_ms.get("decode.scheduled"), self.timeline_ms.get("decode.first_token")
+        return None if start is None or end is None else end - start
 
     @property
     def pull_ms(self) -> float | None:
@@ -223,7 +230,19 @@ def summarize(
         gap = median([t.handover_ms for t in pd])
         pull_samples = [t.pull_ms for t in pd if t.pull_ms is not None]
         pull = median(pull_samples) if pull_samples else fallback_pull_ms or float("nan")
-        overhead = median([t.handover_ms - step - (t.pull_ms if t.pull_ms is not None else pull) for t in pd])
+        # One decode step: the very step that made the second token when the timeline has it
+        # (on a busy machine steps vary a lot), else the median of the later gaps.
+        overhead = median(
+            [
+                t.handover_ms
+                - (t.first_step_ms if t.first_step_ms is not None else step)
+                - (t.pull_ms if t.pull_ms is not None else pull)
+                for t in pd
+            ]
+        )
+        overhead_median_step = median(
+            [t.handover_ms - step - (t.pull_ms if t.pull_ms is not None else pull) for t in pd]
+        )
         ttft_pd, ttft_colo = median([t.ttft_ms for t in pd]), median([t.ttft_ms for t in colo])
         out["concurrency_1"] = {
             "requests": len(pd),
@@ -232,6 +251,8 @@ def summarize(
             "pull_p50_ms": pull,
             "pull_source": "timeline" if pull_samples else "transfer bench (no timeline from this build)",
             "overhead_p50_ms": overhead,
+            "overhead_vs_median_step_p50_ms": overhead_median_step,
+            "first_step_p50_ms": median([t.first_step_ms for t in pd if t.first_step_ms is not None]),
             "ttft_pd_p50_ms": ttft_pd,
             "ttft_colocated_p50_ms": ttft_colo,
             "ttft_ratio": ttft_pd / ttft_colo,
