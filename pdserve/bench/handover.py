@@ -418,6 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     summary["stages_concurrency_1"] = breakdown
     summary["stages_load"] = stage_breakdown([t for t in load if t.error is None])
     summary["pulls"] = pulls
+    summary["requests"] = [
+        {
+            "phase": phase,
+            "path": t.path,
+            "token_ms": [(at - t.sent) * 1e3 for at in t.token_times],
+            "timeline_ms": t.timeline_ms,
+            "error": t.error,
+        }
+        for phase, traces in (("concurrency_1", c1), ("load", load))
+        for t in traces
+    ]
     summary["errors"] = [f"{t.path}: {t.error}" for t in c1 + load if t.error]
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "plot")} | {"model": model}
 
