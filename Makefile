@@ -1,4 +1,5 @@
-# `make test` builds .venv from the project's own files and runs the whole suite.
+# `make test` builds .venv from the project's own files, runs `make lint` (ruff, ruff format, mypy),
+# then the whole suite.
 # `make demo` runs the main job with the bundled SmolLM2-135M-Instruct model.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,12 +18,13 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
+# The fast checks: lint, format, types (mypy's settings are in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pdserve tests
 	$(VENV)/bin/ruff format --check pdserve tests
+	$(VENV)/bin/mypy
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check pdserve tests
+test: lint
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from pdserve.supervisor import (
     DEFAULT_GRACE_S,
@@ -57,6 +58,8 @@ ClusterStopped = StartupStopped
 
 class ClusterProcess(SupervisedProcess):
     """One child of the cluster: a supervised process with its role and metrics address."""
+
+    address: str  # always given: every child of the cluster is health-checked
 
     def __init__(
         self,
@@ -147,7 +150,8 @@ class LocalCluster:
     @property
     def procs(self) -> dict[str, ClusterProcess]:
         """{name: process} of every process started, in start order."""
-        return {proc.name: proc for proc in self.supervisor.children}
+        # The supervisor holds only what _build made.
+        return {proc.name: cast(ClusterProcess, proc) for proc in self.supervisor.children}
 
     @property
     def router_address(self) -> str:
@@ -229,6 +233,7 @@ class LocalCluster:
                 (self.router_port, mp) if n == "router" else (p, mp)
                 for n, (p, mp) in zip(names, ports, strict=True)
             ]
+        assert self.log_dir is not None, "start() sets the log dir before building"
         procs = []
         for name, (port, metrics_port) in zip(names, ports, strict=True):
             role = name.split("-")[0]
@@ -279,7 +284,7 @@ class LocalCluster:
 
     def dead_processes(self) -> list[ClusterProcess]:
         """Children that have exited (none should, while the cluster runs)."""
-        return self.supervisor.dead()
+        return cast(list[ClusterProcess], self.supervisor.dead())
 
     def check(self) -> None:
         """Raise ClusterError if any child has exited."""

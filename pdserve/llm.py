@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore, EngineCoreRequest
@@ -127,7 +128,7 @@ class LLM:
     def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]  # a single prompt given as token ids
-        return prompts
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):
+            return [cast(list[int], items)]  # a single prompt given as token ids
+        return cast(list[Prompt], items)

@@ -11,14 +11,18 @@ import argparse
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def load_transformers_reference(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+
+def load_transformers_reference(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The same weights in Hugging Face transformers, in eval mode: the reference every
     pdserve-vs-transformers benchmark compares against.
 

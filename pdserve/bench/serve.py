@@ -51,7 +51,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -262,7 +262,7 @@ def start_setup(
     engines = procs.start(
         [(f"{setup}-{role}-{i}", engine_argv(role), {cpus[i % len(cpus)]}) for i, role in enumerate(roles)]
     )
-    addresses = [e.address for e in engines]
+    addresses = [cast(str, e.address) for e in engines]  # built with one each
     if setup in COLOCATED_SETUPS:
         upstream = ["--decode", ",".join(addresses)]
     else:
@@ -323,6 +323,7 @@ def run_setup(
     say(f"{setup}{of}: starting engines on cpus {cpus[:2]} ({args.model or 'bundled SmolLM2-135M'})")
     (first_engine, _, router_child), http_url = start_setup(setup, procs, args, cpus)
     router = router_child.address
+    assert router is not None and first_engine.address is not None  # start_setup gives each one
     info = engine_info(first_engine.address)
     workload.token_range = (min(256, info.vocab_size // 4), info.vocab_size)
     run.kv_transport = info.kv_transport or None
@@ -330,6 +331,7 @@ def run_setup(
 
     async def send_async(api: str, specs: list[RequestSpec], tag: str, bar=None) -> list[RequestResult]:
         if api == "openai":
+            assert http_url is not None  # the router got an HTTP port: "openai" is in apis(args)
             return await run_requests_openai(http_url, specs, tag, bar)
         return await run_requests(router, specs, tag, bar)
 

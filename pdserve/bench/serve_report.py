@@ -111,7 +111,7 @@ def request_record(
         "error": result.error,
         "ttft_ms": ttft,
         "e2e_ms": e2e,
-        "tpot_ms": (e2e - ttft) / (n - 1) if ok and n > 1 else None,
+        "tpot_ms": (e2e - ttft) / (n - 1) if ok and n > 1 and e2e is not None and ttft is not None else None,
         "itl_p90_ms": itl_p90,
         "itl_max_ms": itl_max,
         "meets_slo": bool(meets),

@@ -18,11 +18,15 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -64,7 +68,7 @@ def length_sorted_batches(workload: Workload, batch_size: int) -> list[list[int]
 class StaticBatchRunner:
     """Runs left-padded greedy ``generate`` batches on one transformers model."""
 
-    def __init__(self, model: torch.nn.Module, workload: Workload, seed: int) -> None:
+    def __init__(self, model: PreTrainedModel, workload: Workload, seed: int) -> None:
         self.model = model
         self.workload = workload
         self.seed = seed

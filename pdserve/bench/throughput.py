@@ -141,7 +141,8 @@ def run_pdserve(llm: LLM, workload: Workload, args: argparse.Namespace) -> tuple
         bar.update(sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
-    llm.engine.step = step_with_progress
+    # A deliberate per-instance patch, undone in the finally below.
+    llm.engine.step = step_with_progress  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
         completions = llm.generate(workload.prompts, params)

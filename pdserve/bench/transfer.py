@@ -274,7 +274,7 @@ def measure(
     """
     from tqdm import tqdm
 
-    samples = {name: [[] for _ in plan] for name in movers}
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in plan] for name in movers}
     total = sum(p.warmup + p.iters for p in plan) * len(movers)
     with tqdm(total=total, desc="transfer bench", unit="read") as progress:
         for i, size in enumerate(plan):

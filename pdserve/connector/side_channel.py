@@ -122,7 +122,7 @@ class SideChannelClient:
     def __init__(self, host: str, port: int, token: str | None = None) -> None:
         self.token = token
         self.address = f"tcp://{host}:{port}"
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.address)

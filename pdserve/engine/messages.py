@@ -205,7 +205,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             except ValueError:
                 pass
         raise ValueError(f"{where}: {value!r} is not {hint}")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if origin in (list, tuple, Sequence):
         _expect(isinstance(value, list | tuple), value, hint, where)

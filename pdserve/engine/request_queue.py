@@ -7,6 +7,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
 
@@ -69,21 +70,34 @@ class FCFSRequestQueue(RequestQueue):
         return iter(self._queue)
 
 
+@dataclass(order=True, slots=True)
+class _HeapEntry:
+    """Ordered by ``(priority, arrival_time, seq)``; ``seq`` is unique, so requests are never compared."""
+
+    priority: int
+    arrival_time: float
+    seq: int
+    request: Request = field(compare=False)
+
+
 class PriorityRequestQueue(RequestQueue):
     """Lower ``priority`` value first, then earlier arrival; re-adding keeps that order."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[_HeapEntry] = []
         self._counter = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        assert request.arrival_time is not None  # Request.__post_init__ sets it
+        heapq.heappush(
+            self._heap, _HeapEntry(request.priority, request.arrival_time, next(self._counter), request)
+        )
 
     def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[-1]
+        return heapq.heappop(self._heap).request
 
     def peek_request(self) -> Request:
-        return self._heap[0][-1]
+        return self._heap[0].request
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
@@ -94,14 +108,14 @@ class PriorityRequestQueue(RequestQueue):
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         to_remove = set(requests)
-        self._heap = [entry for entry in self._heap if entry[-1] not in to_remove]
+        self._heap = [entry for entry in self._heap if entry.request not in to_remove]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[-1] for entry in sorted(self._heap))
+        return (entry.request for entry in sorted(self._heap))
 
 
 def create_request_queue(policy: str) -> RequestQueue:

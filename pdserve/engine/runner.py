@@ -17,6 +17,7 @@ import torch
 from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pdserve.engine.sampler import SamplingState, sample
 
@@ -50,7 +51,7 @@ class _Segment:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_cache_spec: KVCacheSpec,
         num_blocks: int,
         connector: KVConnectorBase | None = None,

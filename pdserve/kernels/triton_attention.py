@@ -318,7 +318,7 @@ def launch_paged_attention(
     is_decode = query_start_loc is None
     if is_decode and num_seqs != num_tokens:
         raise ValueError(f"decode: seq_lens has {num_seqs} entries for {num_tokens} query tokens")
-    if not is_decode and query_start_loc.numel() != num_seqs + 1:
+    if query_start_loc is not None and query_start_loc.numel() != num_seqs + 1:
         raise ValueError(
             f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.numel()}"
         )

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -329,7 +329,7 @@ class OpenAIServer:
         items = [
             c.item(chat, "".join(c.text), c.token_ids if with_ids else None, True, False) for c in choices
         ]
-        answer = {
+        answer: dict[str, Any] = {
             "id": response_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
@@ -353,8 +353,8 @@ class OpenAIServer:
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
-                if task.exception() is not None:
-                    exc = task.exception()
+                exc = task.exception()
+                if exc is not None:
                     raise openai_error_of(exc) if isinstance(exc, RouterError) else exc
         finally:
             for task in tasks:
@@ -532,5 +532,6 @@ class _CountRequests:
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn on a loop it does not own: the router handles SIGTERM/SIGINT and stops it."""
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield

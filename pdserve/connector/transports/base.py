@@ -117,7 +117,8 @@ def coalesce_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int
 
 def kv_bytes(kv_cache: torch.Tensor) -> memoryview:
     """The cache as one writable byte buffer sharing its memory (no copy), for sockets and UCX."""
-    return memoryview(kv_cache.view(torch.uint8).reshape(-1).numpy())
+    # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12; it is a buffer on 3.11 too.
+    return memoryview(kv_cache.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
 @dataclass

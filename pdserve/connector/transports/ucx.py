@@ -43,7 +43,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -374,7 +374,8 @@ class UcxTransport(KVTransport):
 
     def _on_control(self, message: dict[str, Any]) -> None:
         api = self._api
-        op, client = message.get("op"), message.get("client")
+        # The client's nonce is an int on the wire (one left out is an unknown client, None).
+        op, client = message.get("op"), cast(int, message.get("client"))
         if op == "hello":
             # A reader reconnects (new nonce) after it reset its endpoint: drop the old one.
             reader = str(message.get("reader", ""))

@@ -158,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
     token of each prefill chunk, every decode token): the vocab matmul is the largest one.
     """
 
+    rope_cos: torch.Tensor  # buffers registered in __init__
+    rope_sin_signed: torch.Tensor
+
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.config = config
@@ -283,6 +286,7 @@ def use_kn_weight_layout(model: LlamaForCausalLM) -> None:
     49k rows it is memory-bound anyway.
     """
     for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
         for linear in (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,

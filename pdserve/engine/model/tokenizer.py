@@ -202,7 +202,7 @@ class Tokenizer:
                 token = token.get("content")
             if isinstance(token, str) and backend.token_to_id(token) is not None:
                 return backend.token_to_id(token)
-            value = model_cfg.get(f"{name}_token_id")
+            value: Any = model_cfg.get(f"{name}_token_id")  # JSON: an id, a list of ids or null
             return value[0] if isinstance(value, list) and value else value
 
         template = tok_cfg.get("chat_template")
