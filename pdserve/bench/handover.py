@@ -298,25 +298,48 @@ def _goal(name: str, value: float, op: str, target: float) -> dict[str, Any]:
     return {"goal": name, "measured": value, "target": f"{op} {target:g}", "met": bool(met)}
 
 
+# The handover proper: from prefill's first token to decode's reaching the router, minus the
+# decode step itself (which is what a colocated engine pays too).
+HANDOVER_STAGES = [label for label, _, _ in STAGES[3:] if label != "first decode step"]
+
+
 def plot(breakdown: list[dict[str, Any]], summary: dict[str, Any], path: str) -> None:
+    """Two bars per phase: the whole request, and the handover alone (where overhead hides)."""
+    import matplotlib
+
     from pdserve.bench.report import new_figure, save_figure
 
-    fig, ax = new_figure(figsize=(9, 4.2))
-    left = 0.0
-    cmap = __import__("matplotlib").colormaps["tab20"]
-    for i, row in enumerate(breakdown):
-        width = max(row["p50_ms"], 0.0)
-        ax.barh([0], [width], left=left, color=cmap(i % 20), label=f"{row['stage']} ({row['p50_ms']:.1f} ms)")
-        left += width
-    ax.set_yticks([])
-    ax.set_xlabel("ms since the router received the request (median per stage, concurrency 1)")
+    phases = [("concurrency 1", breakdown), ("load", summary.get("stages_load", []))]
+    phases = [(name, rows) for name, rows in phases if rows]
+    fig, axes = new_figure(len(phases) or 1, 2, figsize=(13, 1.6 + 2.2 * max(len(phases), 1)), squeeze=False)
+    color = {label: matplotlib.colormaps["tab20"](i % 20) for i, (label, _, _) in enumerate(STAGES)}
+    for (name, rows), (whole, handover_only) in zip(phases, axes, strict=False):
+        for ax, chosen in (
+            (whole, rows),
+            (handover_only, [r for r in rows if r["stage"] in HANDOVER_STAGES]),
+        ):
+            left = 0.0
+            for row in chosen:
+                width = max(row["p50_ms"], 0.0)
+                ax.barh(
+                    [0],
+                    [width],
+                    left=left,
+                    color=color[row["stage"]],
+                    label=f"{row['stage']} ({row['p50_ms']:.1f})",
+                )
+                left += width
+            ax.set_yticks([])
+        whole.set_title(f"{name}: whole request, median ms per stage", fontsize=9)
+        handover_only.set_title(f"{name}: handover without the decode step ({left:.1f} ms)", fontsize=9)
+        handover_only.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     c1 = summary.get("concurrency_1", {})
-    ax.set_title(
-        f"1P1D handover: gap {c1.get('handover_p50_ms', float('nan')):.1f} ms = step "
-        f"{c1.get('decode_step_p50_ms', float('nan')):.1f} + pull {c1.get('pull_p50_ms', float('nan')):.1f} "
-        f"+ overhead {c1.get('overhead_p50_ms', float('nan')):.1f}"
+    fig.suptitle(
+        f"1P1D handover at concurrency 1: gap {c1.get('handover_p50_ms', float('nan')):.1f} ms = decode step "
+        f"{c1.get('first_step_p50_ms', c1.get('decode_step_p50_ms', float('nan'))):.1f} + pull "
+        f"{c1.get('pull_p50_ms', float('nan')):.1f} + overhead {c1.get('overhead_p50_ms', float('nan')):.1f}",
+        fontsize=10,
     )
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     save_figure(fig, path)
 
 
