@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     fallback_pull = None
     pulls: list[dict[str, Any]] = []
     if args.pull_iters > 0:
-        say("pull phase: bench transfer movers at 16 and 512 tokens ...")
+        say(f"pull phase: bench transfer movers at 16 and {args.prompt_tokens} tokens ...")
         pulls = phase_pulls([16, args.prompt_tokens], args.pull_iters)
         fallback_pull = min(
             (r["p50_ms"] for r in pulls if r["transport"] != "memcpy" and r["tokens"] == args.prompt_tokens),
@@ -390,20 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     engine_args = [a for arg in args.engine_arg for a in arg.split()]
-    router_args = ["--disagg-min-tokens", "0"]
     with contextlib.ExitStack() as stack:
         say("starting a 1P1D cluster and a colocated engine ...")
-        pd_cluster = stack.enter_context(
-            LocalCluster(
-                1,
-                1,
-                model,
-                kv_transport=args.kv_transport,
-                engine_args=engine_args,
-                router_args=router_args,
-                progress=say,
-            )
-        )
+        pd_cluster = stack.enter_context(pd_cluster_for(args, model, engine_args, say))
         colo_cluster = stack.enter_context(LocalCluster(0, 1, model, engine_args=engine_args, progress=say))
         pd, colo = Client(pd_cluster.router_address), Client(colo_cluster.router_address)
         stack.callback(pd.close)
@@ -419,19 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {"OMP_NUM_THREADS": "1"} if pinned else {}
         say(f"starting a 1P1D cluster for the load phase ({'engines pinned' if pinned else 'unpinned'}) ...")
         with contextlib.ExitStack() as stack:
-            load_cluster = stack.enter_context(
-                LocalCluster(
-                    1,
-                    1,
-                    model,
-                    kv_transport=args.kv_transport,
-                    engine_args=engine_args,
-                    router_args=router_args,
-                    cpus=cpus,
-                    env=env,
-                    progress=say,
-                )
-            )
+            load_cluster = stack.enter_context(pd_cluster_for(args, model, engine_args, say, cpus, env))
             client = Client(load_cluster.router_address)
             stack.callback(client.close)
             load = phase_load(client, prompts[args.requests + 1 :], args)
@@ -470,6 +447,30 @@ def main(argv: list[str] | None = None) -> int:
     save_json(args.json or default_path("handover", "json"), summary)
     plot(breakdown, summary, args.plot or default_path("handover", "png"))
     return 1 if summary["errors"] else 0
+
+
+def pd_cluster_for(
+    args: argparse.Namespace,
+    model: str,
+    engine_args: list[str],
+    say: Any,
+    cpus: dict[str, Sequence[int]] | None = None,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """A 1P1D cluster whose router sends every prompt through prefill (the handover under test)."""
+    from pdserve.cluster import LocalCluster
+
+    return LocalCluster(
+        1,
+        1,
+        model,
+        kv_transport=args.kv_transport,
+        engine_args=engine_args,
+        router_args=["--disagg-min-tokens", "0"],
+        cpus=cpus,
+        env=env,
+        progress=say,
+    )
 
 
 def _vocab_size(client: Any) -> int:
