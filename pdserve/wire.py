@@ -8,23 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.connector.transfer_params import SCALAR_FIELDS
 from pdserve.engine.outputs import SchedulerStats
 from pdserve.engine.request import SamplingParams
 from pdserve.v1 import common_pb2
 
 DEFAULT_MAX_TOKENS = 16
-
-_KV_FIELDS = (
-    "do_remote_decode",
-    "do_remote_prefill",
-    "remote_engine_id",
-    "remote_instance_id",
-    "remote_host",
-    "remote_port",
-    "remote_request_id",
-    "num_tokens",
-    "lease_ms",
-)
 
 
 # Optional proto fields and the SamplingParams default each takes when unset.
@@ -78,7 +67,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 def kv_params_from_proto(msg: common_pb2.KVTransferParams) -> dict[str, Any] | None:
     if not (msg.do_remote_decode or msg.do_remote_prefill):
         return None
-    params: dict[str, Any] = {name: getattr(msg, name) for name in _KV_FIELDS}
+    params: dict[str, Any] = {name: getattr(msg, name) for name in SCALAR_FIELDS}
     params["remote_block_ids"] = list(msg.remote_block_ids)
     return params
 
@@ -86,7 +75,7 @@ def kv_params_from_proto(msg: common_pb2.KVTransferParams) -> dict[str, Any] | N
 def kv_params_to_proto(params: dict[str, Any] | None) -> common_pb2.KVTransferParams | None:
     if not params:
         return None
-    fields = {name: params[name] for name in _KV_FIELDS if params.get(name) is not None}
+    fields = {name: params[name] for name in SCALAR_FIELDS if params.get(name) is not None}
     return common_pb2.KVTransferParams(remote_block_ids=list(params.get("remote_block_ids", [])), **fields)
 
 

@@ -25,6 +25,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.connector.base import KVConnectorBase, KVConnectorMetadata
 from pdserve.connector.leases import LeaseTable
 from pdserve.connector.side_channel import SideChannelServer
+from pdserve.connector.transfer_params import PD_CONNECTOR_VERSION, KVTransferParams
 from pdserve.connector.transfer_worker import LoadJob, RemoteRef, TransferWorker
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.request import Request, RequestStatus
@@ -140,17 +141,17 @@ class PDConnector(KVConnectorBase):
         self.leases.add(req_id, held)
         request.mark("lease_registered")
         assert self.side_channel is not None, "register_kv_caches() was not called"
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.engine_id,
-            "remote_instance_id": self.instance_id,
-            "remote_host": self.config.reachable_host,
-            "remote_port": self.side_channel.port,
-            "remote_request_id": req_id,
-            "remote_block_ids": held,
-            "num_tokens": num_tokens,
-            "lease_ms": self.config.lease_ms,
-        }
+        return True, KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_instance_id=self.instance_id,
+            remote_host=self.config.reachable_host,
+            remote_port=self.side_channel.port,
+            remote_request_id=req_id,
+            remote_block_ids=list(held),
+            num_tokens=num_tokens,
+            lease_ms=int(self.config.lease_ms),
+        ).to_dict()
 
     def request_released(self, request_id: str) -> None:
         self.leases.drop(request_id)
@@ -240,6 +241,11 @@ class PDConnector(KVConnectorBase):
     # ================================================================ side channel (its thread)
 
     def _on_handshake(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("version") != PD_CONNECTOR_VERSION:
+            raise ValueError(
+                f"P/D connector version mismatch: this engine speaks {PD_CONNECTOR_VERSION}, "
+                f"the peer {message.get('version', 'an older one (no version)')}"
+            )
         mine = self.spec.fingerprint()
         theirs = message.get("fingerprint")
         if theirs != mine:
@@ -247,6 +253,7 @@ class PDConnector(KVConnectorBase):
         assert self.transport is not None
         return {
             "ok": True,
+            "version": PD_CONNECTOR_VERSION,
             "engine_id": self.engine_id,
             "instance_id": self.instance_id,
             "fingerprint": mine,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.connector.side_channel import SideChannelClient, SideChannelError
+from pdserve.connector.transfer_params import PD_CONNECTOR_VERSION, KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,13 @@ class RemoteRef:
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemoteRef:
-        try:
-            port = int(params["remote_port"])
-            return cls(
-                engine_id=str(params["remote_engine_id"]),
-                instance_id=str(params.get("remote_instance_id", "")),
-                host=str(params["remote_host"]),
-                port=port,
+        typed = KVTransferParams.from_dict(params)
+        if not typed.remote_engine_id or not typed.remote_host or not 0 < typed.remote_port < 65536:
+            raise ValueError(
+                "kv_transfer_params: missing or bad remote address "
+                f"(engine {typed.remote_engine_id!r}, host {typed.remote_host!r}, port {typed.remote_port})"
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"kv_transfer_params: missing or bad remote address ({exc})") from None
+        return cls(typed.remote_engine_id, typed.remote_instance_id, typed.remote_host, typed.remote_port)
 
     @property
     def transport_key(self) -> str:
@@ -221,9 +219,19 @@ class TransferWorker:
         if peer.handshaken and peer.instance_id == remote.instance_id:
             return
         reply = peer.client.request(
-            {"type": "handshake", "engine_id": self.engine_id, "fingerprint": self.fingerprint},
+            {
+                "type": "handshake",
+                "version": PD_CONNECTOR_VERSION,
+                "engine_id": self.engine_id,
+                "fingerprint": self.fingerprint,
+            },
             timeout_s=HANDSHAKE_TIMEOUT_S,
         )
+        if reply.get("version") != PD_CONNECTOR_VERSION:
+            raise SideChannelError(
+                f"P/D connector version mismatch with {remote.engine_id}: ours {PD_CONNECTOR_VERSION}, "
+                f"theirs {reply.get('version')}"
+            )
         if reply.get("fingerprint") != self.fingerprint:
             raise SideChannelError(
                 f"KV layout mismatch with {remote.engine_id}: ours {self.fingerprint}, "

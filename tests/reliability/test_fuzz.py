@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.client import Client
-from pdserve.connector.side_channel import SideChannelClient
+from pdserve.connector.side_channel import SideChannelClient, SideChannelError
+from pdserve.connector.transfer_params import PD_CONNECTOR_VERSION
 from pdserve.v1 import common_pb2, router_pb2
 from tests.reliability.helpers import (
     CALL_TIMEOUT_S,
@@ -168,11 +169,34 @@ def _data_port(cluster, prefill, fingerprint: dict) -> tuple[str, int]:
     client = SideChannelClient(HOST, prefill.kv_port, token=cluster.token)
     try:
         reply = client.request(
-            {"type": "handshake", "engine_id": "fuzzer", "fingerprint": fingerprint}, timeout_s=5
+            {
+                "type": "handshake",
+                "version": PD_CONNECTOR_VERSION,
+                "engine_id": "fuzzer",
+                "fingerprint": fingerprint,
+            },
+            timeout_s=5,
         )
     finally:
         client.close()
     return reply["transport_metadata"]["host"], reply["transport_metadata"]["port"]
+
+
+@pytest.mark.parametrize("version", [None, PD_CONNECTOR_VERSION - 1, PD_CONNECTOR_VERSION + 1])
+def test_a_handshake_of_another_connector_version_is_refused(fuzz_env, cluster, tiny_llm, version):
+    message = {
+        "type": "handshake",
+        "engine_id": "old",
+        "fingerprint": tiny_llm.engine.kv_cache_spec.fingerprint(),
+    }
+    if version is not None:
+        message["version"] = version
+    client = SideChannelClient(HOST, fuzz_env.prefill.kv_port, token=cluster.token)
+    try:
+        with pytest.raises(SideChannelError, match="version mismatch"):
+            client.request(message, timeout_s=5)
+    finally:
+        client.close()
 
 
 def _frame(message: object) -> bytes:

@@ -20,6 +20,7 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.connector.side_channel import SideChannelClient
+from pdserve.connector.transfer_params import PD_CONNECTOR_VERSION
 from pdserve.engine.model.tiny import write_tiny_model
 from pdserve.engine.request import SamplingParams
 from tests.reliability.helpers import (
@@ -163,7 +164,13 @@ def _data_port(prefill: Proc, token: str, fingerprint: dict) -> tuple[str, int]:
     client = SideChannelClient(HOST, prefill.kv_port, token=token)
     try:
         reply = client.request(
-            {"type": "handshake", "engine_id": "probe", "fingerprint": fingerprint}, timeout_s=5
+            {
+                "type": "handshake",
+                "version": PD_CONNECTOR_VERSION,
+                "engine_id": "probe",
+                "fingerprint": fingerprint,
+            },
+            timeout_s=5,
         )
     finally:
         client.close()
