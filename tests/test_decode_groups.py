@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import reference, scratch
 
 
 def test_decode_length_groups_partition_and_bound_padding():
@@ -42,3 +42,24 @@ def test_grouped_decode_equals_one_padded_batch():
     grouped = reference.paged_attention_decode_ref(query, cache, tables, seq_lens, 0.3)
     padded = reference._decode_attention(query, cache, tables, seq_lens, 0.3)
     torch.testing.assert_close(grouped, padded, rtol=1e-12, atol=1e-12)
+
+
+def test_gather_scratch_buffer_serves_calls_inside_and_outside_inference_mode():
+    """The reused gather buffer is first sized inside inference_mode (as the runner calls the
+    kernels), then used bare (as tests and benchmarks do), and each call sees its own data."""
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(6, 2, 4, 1, 8, generator=gen)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]], dtype=torch.int32)
+    query = torch.randn(2, 2, 8, generator=gen)
+    seq_lens = torch.tensor([16, 7], dtype=torch.int32)
+    scratch._local.__dict__.pop("buffers", None)  # start with no buffer
+    with torch.inference_mode():
+        inside = reference.paged_attention_decode_ref(query, cache, tables, seq_lens, 0.3)
+    outside = reference.paged_attention_decode_ref(query, cache, tables, seq_lens, 0.3)
+    assert not any(buffer.is_inference() for buffer in scratch._local.buffers.values())
+    torch.testing.assert_close(inside, outside)
+    other = reference.paged_attention_decode_ref(query, cache.flip(0), tables, seq_lens, 0.3)
+    assert not torch.allclose(other, outside)
+    torch.testing.assert_close(
+        reference.paged_attention_decode_ref(query, cache, tables, seq_lens, 0.3), outside
+    )

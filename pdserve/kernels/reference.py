@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.scratch import scratch
+
 
 def reshape_and_cache_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -41,9 +43,16 @@ def _gather_context(
     """K and V of one sequence's first ``num_blocks`` blocks: [num_blocks*block_size, H, D] each."""
     idx = block_table[:num_blocks].long()
     # Index the K (then V) view directly: one gather each, already contiguous, no re-copy.
-    keys = kv_cache_layer[:, 0][idx].flatten(0, 1)
-    values = kv_cache_layer[:, 1][idx].flatten(0, 1)
+    keys = _gather_into("prefill_k", kv_cache_layer[:, 0], idx).flatten(0, 1)
+    values = _gather_into("prefill_v", kv_cache_layer[:, 1], idx).flatten(0, 1)
     return keys, values
+
+
+def _gather_into(name: str, blocks: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``blocks[idx]`` (idx 1-D) written into the scratch buffer ``name``: valid until the next
+    gather into the same buffer, so callers use it before returning."""
+    out = scratch(name, (idx.numel(), *blocks.shape[1:]), blocks.dtype, blocks.device)
+    return torch.index_select(blocks, 0, idx, out=out)
 
 
 # A decode group may gather up to PADDING x its members' real context + SLACK positions (see
@@ -112,10 +121,15 @@ def _decode_attention(
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     max_len = int(seq_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    idx = block_tables[:, :max_blocks].long()
-    # One gather per K and V straight from the layer view: contiguous, reshaped for free.
-    keys = kv_cache_layer[:, 0][idx].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    values = kv_cache_layer[:, 1][idx].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    idx = block_tables[:, :max_blocks].reshape(-1).long()
+    # One gather per K and V straight from the layer view into a reused buffer (see
+    # ``scratch``): contiguous, reshaped for free.
+    keys = _gather_into("decode_k", kv_cache_layer[:, 0], idx).view(
+        num_seqs, max_blocks * block_size, num_kv_heads, head_dim
+    )
+    values = _gather_into("decode_v", kv_cache_layer[:, 1], idx).view(
+        num_seqs, max_blocks * block_size, num_kv_heads, head_dim
+    )
     positions = torch.arange(max_blocks * block_size, device=query.device)
     mask = positions[None, :] < seq_lens[:, None].to(positions.dtype)  # [S, L]
     group = num_heads // num_kv_heads
