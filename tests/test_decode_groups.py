@@ -40,7 +40,13 @@ def test_grouped_decode_equals_one_padded_batch():
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     assert len(reference.decode_length_groups(lens)) > 1
     grouped = reference.paged_attention_decode_ref(query, cache, tables, seq_lens, 0.3)
-    padded = reference._decode_attention(query, cache, tables, seq_lens, 0.3)
+    # One padded batch: the same op with every sequence in one group.
+    reference.DECODE_GROUP_SLACK, slack = 10**9, reference.DECODE_GROUP_SLACK
+    try:
+        assert len(reference.decode_length_groups(lens)) == 1
+        padded = reference.paged_attention_decode_ref(query, cache, tables, seq_lens.clone(), 0.3)
+    finally:
+        reference.DECODE_GROUP_SLACK = slack
     torch.testing.assert_close(grouped, padded, rtol=1e-12, atol=1e-12)
 
 
@@ -63,3 +69,36 @@ def test_gather_scratch_buffer_serves_calls_inside_and_outside_inference_mode():
     torch.testing.assert_close(
         reference.paged_attention_decode_ref(query, cache, tables, seq_lens, 0.3), outside
     )
+
+
+def test_decode_plan_is_built_once_per_batch_and_rebuilt_when_it_changes():
+    """Every layer of a forward pass gets the same batch: one plan serves them all, and a
+    changed batch (even the same tensors written in place) gets a new plan. The runner builds
+    its metadata under inference_mode, so these are inference tensors (no version counter)."""
+    with torch.inference_mode():
+        tables = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 0]], dtype=torch.int32)
+        seq_lens = torch.tensor([40, 3, 20], dtype=torch.int32)
+        plan = reference._decode_plan(tables, seq_lens, 16)
+        assert reference._decode_plan(tables, seq_lens, 16) is plan
+        assert reference._decode_plan(tables.clone(), seq_lens.clone(), 16) is plan
+        seq_lens[1] += 1
+        replanned = reference._decode_plan(tables, seq_lens, 16)
+        assert replanned is not plan
+        tables[2, 1] = 6
+        assert reference._decode_plan(tables, seq_lens, 16) is not replanned
+        assert reference._decode_plan(tables, seq_lens, 8) is not replanned
+
+
+def test_llm_decodes_mixed_lengths_like_each_request_alone(tiny_llm):
+    """Through the engine (metadata built under inference_mode), a batch of decodes whose
+    contexts fall into several length groups gives each request its solo greedy tokens."""
+    from pdserve.engine.request import SamplingParams
+
+    lengths = [5, 600, 9, 300, 620, 2]
+    prompts = [[100 + (i * 7 + j) % 150 for j in range(n)] for i, n in enumerate(lengths)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert len(reference.decode_length_groups([n + 1 for n in lengths])) > 1
+    together = [c.token_ids for c in tiny_llm.generate(prompts, greedy)]
+    alone = [tiny_llm.generate([p], greedy)[0].token_ids for p in prompts]
+    assert together == alone
+    assert tiny_llm.engine.scheduler.kv_cache_manager.usage == 0.0
