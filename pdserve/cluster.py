@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from pdserve.config import KV_TRANSPORTS
 from pdserve.supervisor import (
     DEFAULT_GRACE_S,
     StartupStopped,
@@ -335,7 +336,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="process k (router 0, then engines) gets B+2k, metrics B+2k+1",
     )
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    parser.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS))
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
     parser.add_argument(
         "--engine-args",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ROLES = ("producer", "consumer", "both")
-KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl")
+KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl", "shm")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 

@@ -21,6 +21,7 @@ import openai
 
 from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster
+from pdserve.config import KV_TRANSPORTS
 
 ARTICLE = (
     "The river Seine flows through Paris, the capital of France. Along its banks stand the Louvre, "
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
     )
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    parser.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS))
     args = parser.parse_args(argv)
 
     print(

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.connector.transports import ALL_TRANSPORTS, create_transport, unavailable_reason
+from pdserve.connector.transports import ALL_TRANSPORTS, create_transport, transport_class, unavailable_reason
 from pdserve.engine.kv_layout import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")  # 32 KiB/block
@@ -39,7 +39,12 @@ def _prefill_main(conn: Any, transport: str, options: dict[str, Any]) -> None:
         from pdserve.connector.transports.tcp import TcpFault
 
         options = {**options, "fault": TcpFault(**options["fault"])}
-    server = create_transport(transport, _source_cache(), role="producer", engine_id="prefill", **options)
+    cache = _source_cache()
+    if transport_class(transport).needs_shared_cache:  # shm: a cache the reader can map
+        shared = SPEC.allocate(NUM_BLOCKS, shared=True)
+        shared.copy_(cache)
+        cache = shared
+    server = create_transport(transport, cache, role="producer", engine_id="prefill", **options)
     conn.send_bytes(msgpack.packb({"metadata": server.local_metadata()}))
     expected = msgpack.unpackb(conn.recv_bytes())  # transfer ids decode expects us to report
     served: list[str] = []
@@ -189,7 +194,9 @@ def test_decode_reads_scattered_blocks_into_other_blocks_exactly(transport, pref
         assert torch.equal(reader.kv_cache[[0, 1]], source[[2, 3]])
     finally:
         reader.close()
-    assert set(prefill.served(["a", "b", "c", "again"])) >= {"a", "b", "c", "again"}
+    served = prefill.served(["a", "b", "c", "again"])
+    if transport_class(transport).reports_served:  # shm: prefill takes no part in a read
+        assert set(served) >= {"a", "b", "c", "again"}
 
 
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
@@ -209,7 +216,7 @@ def test_prefill_killed_mid_transfer_fails_the_read_within_the_deadline(transpor
         [doomed] = _wait_all(reader, 1, DEADLINE_S + 5.0)
         elapsed = time.perf_counter() - start
         assert elapsed < DEADLINE_S + 1.0
-        if transport != "nixl":  # a one-sided read may legitimately finish from a frozen process
+        if transport not in ("nixl", "shm"):  # a one-sided read may finish from a frozen process
             assert not doomed.ok
 
         # Reads from the dead peer keep failing within the deadline, never hang.
@@ -250,11 +257,16 @@ def test_tcp_fault_fails_the_read_then_the_peer_recovers(action, prefills):
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)
 def test_peer_metadata_without_an_address_is_a_clear_error(transport):
     _needs(transport)
-    cache = torch.zeros((NUM_BLOCKS, *SPEC.block_shape))
+    cache = SPEC.allocate(NUM_BLOCKS, shared=transport_class(transport).needs_shared_cache)
     with create_transport(transport, cache, role="both", engine_id="me") as me:
         meta = me.local_metadata()
         assert msgpack.unpackb(msgpack.packb(meta)) == meta  # what the handshake ships
-        broken = {"tcp": {"port": None}, "ucx": {"address": b""}, "nixl": {"agent_metadata": b"garbage"}}
+        broken = {
+            "tcp": {"port": None},
+            "ucx": {"address": b""},
+            "nixl": {"agent_metadata": b"garbage"},
+            "shm": {"region": None},
+        }
         with pytest.raises(ValueError, match="peer other"):
             me.add_remote("other", {**meta, **broken[transport]})
         assert not me.has_remote("other")

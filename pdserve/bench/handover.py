@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.config import KV_TRANSPORTS
+
 # Stages of a handover, in order, as (label, from event, to event) over the timeline's events.
 # Events are milliseconds since the router received the request (RequestMetrics.timeline_ms).
 STAGES = [
@@ -362,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="load phase: don't pin prefill and decode to a core each (default: pinned, like bench serve)",
     )
     p.add_argument("--pull-iters", type=int, default=30, help="reads per size in the pull phase (0 skips it)")
-    p.add_argument("--kv-transport", default="auto")
+    p.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS))
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="default: bench-results/handover.json")

@@ -75,6 +75,7 @@ from pdserve.bench.serve_report import (
     summarize,
     verdicts,
 )
+from pdserve.config import KV_TRANSPORTS
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
 __all__ = ["REQUEST_KEYS", "ROW_KEYS", "STAGES", "main"]
@@ -459,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-args", default="", help='extra args for every engine: --engine-args="--num-blocks 512"'
     )
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    p.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS))
     p.add_argument("--cpus", default=None, help="comma-separated cores, one per engine (default: first two)")
     p.add_argument("--json", default=None, help="default: bench-results/serve.json")
     p.add_argument("--plot-dir", default=None, help="default: bench-results/")

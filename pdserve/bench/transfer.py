@@ -90,11 +90,11 @@ def _serve_main(conn: Any, transport: str, num_blocks: int, timeout_s: float) ->
     """Prefill: hold a cache, serve reads of it until told to stop."""
     import torch
 
-    from pdserve.connector.transports import create_transport
+    from pdserve.connector.transports import create_transport, transport_class
 
     torch.set_num_threads(1)  # idle intra-op threads spinning after a copy would steal a core
     try:
-        cache = BUNDLED_SPEC.allocate(num_blocks)
+        cache = BUNDLED_SPEC.allocate(num_blocks, shared=transport_class(transport).needs_shared_cache)
         _fill_pattern(cache)
         server = create_transport(
             transport, cache, role="producer", engine_id="bench-prefill", transfer_timeout_s=timeout_s

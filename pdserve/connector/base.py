@@ -78,6 +78,12 @@ class KVConnectorBase(ABC):
 
     # ---------------------------------------------------------------- worker side
 
+    @property
+    def needs_shared_kv_cache(self) -> bool:
+        """Whether the engine must allocate its cache in shared memory before
+        ``register_kv_caches`` (a peer on this host maps it: the ``shm`` transport)."""
+        return False
+
     @abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         """The engine's KV cache tensor (``pdserve.engine.kv_layout`` layout)."""

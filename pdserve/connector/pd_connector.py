@@ -158,6 +158,14 @@ class PDConnector(KVConnectorBase):
 
     # ================================================================ worker side
 
+    @property
+    def needs_shared_kv_cache(self) -> bool:
+        if not self.is_producer:
+            return False
+        from pdserve.connector.transports import transport_class
+
+        return transport_class(self.config.transport).needs_shared_cache
+
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         from pdserve.connector.transports import create_transport
 

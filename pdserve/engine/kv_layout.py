@@ -53,8 +53,20 @@ class KVCacheSpec:
             numel *= dim
         return numel * self.torch_dtype.itemsize
 
-    def allocate(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        """A zeroed cache tensor of ``num_blocks`` blocks in this layout."""
+    def allocate(
+        self, num_blocks: int, device: str | torch.device = "cpu", shared: bool = False
+    ) -> torch.Tensor:
+        """A zeroed cache tensor of ``num_blocks`` blocks in this layout.
+
+        ``shared``: in host memory another process on this host can map (the ``shm`` transport
+        serves reads that way).
+        """
+        if shared:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"a shared KV cache lives in host memory, not on {device}")
+            from pdserve.engine.shared_memory import allocate_shared
+
+            return allocate_shared((num_blocks, *self.block_shape), self.torch_dtype)
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.torch_dtype, device=device)
 
     def fingerprint(self) -> dict:

@@ -61,7 +61,8 @@ class ModelRunner:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
         self.device = torch.device(device)
-        self.kv_cache = kv_cache_spec.allocate(num_blocks, device=self.device)
+        shared = connector is not None and connector.needs_shared_kv_cache
+        self.kv_cache = kv_cache_spec.allocate(num_blocks, device=self.device, shared=shared)
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)

@@ -20,7 +20,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from pdserve.config import (
+    KV_TRANSPORTS,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import validate_prompt
@@ -272,7 +279,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--engine-id", default="", help="stable id of this engine (default: random)")
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "ucx", "nixl"])
+    parser.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS))
     parser.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: pick one)")
     parser.add_argument("--lease-ms", type=int, default=30_000)
     parser.add_argument("--transfer-timeout-s", type=float, default=10.0)

@@ -1,6 +1,7 @@
 """KV block transports behind one interface (``base.KVTransport``), chosen by name.
 
-``tcp`` is always available. ``ucx`` needs ``ucxx`` (ucxx-cu12) to import; ``nixl`` needs
+``tcp`` is always available. ``shm`` needs Linux (memfd, /proc) and both engines on one host;
+it is never picked by ``auto``, which cannot know where the peer runs. ``ucx`` needs ``ucxx`` (ucxx-cu12) to import; ``nixl`` needs
 ``nixl`` to import *and* to bring up an agent with its UCX backend (the wheel imports fine on a
 machine where its plugins cannot load). ``auto`` picks the first available of
 ``AUTO_PREFERENCE``.
@@ -24,7 +25,7 @@ from pdserve.connector.transports.base import (
 
 logger = logging.getLogger(__name__)
 
-ALL_TRANSPORTS = ("tcp", "ucx", "nixl")
+ALL_TRANSPORTS = ("tcp", "ucx", "nixl", "shm")
 # One-sided NIXL READs need nothing from prefill's threads; UCX tag messages need prefill's
 # worker thread to answer; TCP goes through the kernel's loopback stack twice.
 AUTO_PREFERENCE = ("nixl", "ucx", "tcp")
@@ -58,6 +59,10 @@ def _probe(name: str) -> str | None:
             from pdserve.connector.transports.nixl import probe_nixl
 
             return probe_nixl()
+        if name == "shm":
+            from pdserve.connector.transports.shm import probe_shm
+
+            return probe_shm()
     except Exception as exc:  # an optional library failing in any way means "not available"
         return f"{type(exc).__name__}: {exc}"
     return f"unknown transport {name!r}"
@@ -97,6 +102,10 @@ def transport_class(name: str) -> type[KVTransport]:
         from pdserve.connector.transports.ucx import UcxTransport
 
         return UcxTransport
+    if name == "shm":
+        from pdserve.connector.transports.shm import ShmTransport
+
+        return ShmTransport
     from pdserve.connector.transports.nixl import NixlTransport
 
     return NixlTransport

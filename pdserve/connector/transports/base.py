@@ -161,6 +161,11 @@ class KVTransport(ABC):
     """
 
     name: ClassVar[str]
+    # The serving side's cache must be allocated in shared memory (``KVCacheSpec.allocate(...,
+    # shared=True)``): the reader maps it instead of asking for it.
+    needs_shared_cache: ClassVar[bool] = False
+    # Whether the serving side learns of finished reads (``poll_served``).
+    reports_served: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -1,0 +1,169 @@
+"""KV caches in shared memory that another process on this host can map (the ``shm`` transport).
+
+A cache allocated with ``allocate_shared`` lives in an anonymous ``memfd``: no file in
+``/dev/shm`` to leak when an engine is killed (the memory goes with the last process that maps
+it), and no name another user could guess. A peer opens it through ``/proc/<pid>/fd/<fd>``,
+which the kernel allows only to a process of the same user in the same pid namespace on the
+same host, and maps it read-only. ``SharedRegion`` is what the owner advertises for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import uuid
+import warnings
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """Where a peer finds a shared cache: the owner's pid and fd, the memfd's name (which
+    carries a random nonce, so a recycled pid or fd is never mistaken for it), its size, and
+    the host's boot id (a peer on another host must not look up a pid here)."""
+
+    pid: int
+    fd: int
+    name: str
+    nbytes: int
+    boot_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SharedRegion:
+        try:
+            region = cls(
+                pid=data["pid"],
+                fd=data["fd"],
+                name=data["name"],
+                nbytes=data["nbytes"],
+                boot_id=data["boot_id"],
+            )
+        except KeyError as exc:
+            raise ValueError(f"shared region: missing {exc.args[0]!r}") from None
+        for key, kind in (("pid", int), ("fd", int), ("name", str), ("nbytes", int), ("boot_id", str)):
+            if type(getattr(region, key)) is not kind:
+                raise ValueError(
+                    f"shared region: {key} must be {kind.__name__}, got {getattr(region, key)!r}"
+                )
+        return region
+
+
+# {data_ptr of a shared cache: its region}; entries go when the tensor is freed.
+_regions: dict[int, SharedRegion] = {}
+
+
+def shared_memory_unavailable() -> str | None:
+    """None if this process can share memory this way, else why not."""
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is not available (Linux only)"
+    if not os.path.exists(_BOOT_ID_PATH) or not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return "/proc is not mounted"
+    return None
+
+
+def boot_id() -> str:
+    """This host's boot id: equal for every process on the host (and container on it)."""
+    with open(_BOOT_ID_PATH) as f:
+        return f.read().strip()
+
+
+def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor in a fresh memfd that ``region_of`` can describe to a peer."""
+    reason = shared_memory_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"cannot allocate a shared KV cache: {reason}")
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nbytes = numel * dtype.itemsize
+    name = f"pdserve-kv-{uuid.uuid4().hex}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)  # zero-filled, pages allocated on first touch
+        buffer = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    _regions[tensor.data_ptr()] = SharedRegion(os.getpid(), fd, name, nbytes, boot_id())
+    # The fd stays open while the tensor lives: it is how peers find the memory.
+    weakref.finalize(tensor, _release, tensor.data_ptr(), fd)
+    return tensor
+
+
+def _release(data_ptr: int, fd: int) -> None:
+    _regions.pop(data_ptr, None)
+    os.close(fd)
+
+
+def region_of(tensor: torch.Tensor) -> SharedRegion | None:
+    """The shared region ``tensor`` starts (None if it was not made by ``allocate_shared``)."""
+    region = _regions.get(tensor.data_ptr())
+    if region is None or region.pid != os.getpid():  # a forked child does not own the fd's pid
+        return None
+    return region
+
+
+class PeerMapping:
+    """A peer's shared region mapped read-only here, with a cheap check that the peer lives.
+
+    The mapping itself outlives the peer (we hold a reference to the memory), so a read could
+    copy a dead engine's last bytes; ``peer_alive`` tells a read to fail instead.
+    """
+
+    def __init__(self, region: SharedRegion, bytes_per_block: int) -> None:
+        reason = shared_memory_unavailable()
+        if reason is not None:
+            raise ValueError(f"shm: {reason}")
+        if region.boot_id != boot_id():
+            raise ValueError("shm: the peer runs on another host (boot ids differ); use nixl, ucx or tcp")
+        self.region = region
+        self._path = f"/proc/{region.pid}/fd/{region.fd}"
+        try:
+            if not os.readlink(self._path).startswith(f"/memfd:{region.name}"):
+                raise ValueError(f"shm: {self._path} is not the peer's KV cache (the peer is gone)")
+            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ValueError(
+                f"shm: cannot open the peer's KV cache at {self._path} ({exc.strerror}): "
+                "shm needs both engines on one host, as one user, in one pid namespace"
+            ) from None
+        try:
+            stat = os.fstat(fd)
+            if stat.st_size != region.nbytes:
+                raise ValueError(
+                    f"shm: the peer's cache has {stat.st_size} bytes, it advertised {region.nbytes}"
+                )
+            self._inode = stat.st_ino
+            self._buffer = mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only on purpose: we never write a peer's cache
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
+        # The peer's blocks as [num_blocks, bytes_per_block] rows (a view of the mapping).
+        num_blocks = region.nbytes // bytes_per_block
+        self.blocks = flat[: num_blocks * bytes_per_block].view(num_blocks, bytes_per_block)
+
+    def peer_alive(self) -> bool:
+        """True while the peer process still holds the region (one stat of its fd)."""
+        try:
+            return os.stat(self._path).st_ino == self._inode
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Unmap, unless a read still uses the blocks (then the GC unmaps after it)."""
+        del self.blocks
+        with contextlib.suppress(BufferError):  # a read still holds a view: the GC unmaps later
+            self._buffer.close()
