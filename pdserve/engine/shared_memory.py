@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import uuid
 import warnings
 import weakref
@@ -64,8 +65,8 @@ _regions: dict[int, SharedRegion] = {}
 
 def shared_memory_unavailable() -> str | None:
     """None if this process can share memory this way, else why not."""
-    if not hasattr(os, "memfd_create"):
-        return "os.memfd_create is not available (Linux only)"
+    if not hasattr(os, "memfd_create") or not hasattr(os, "pidfd_open"):
+        return "os.memfd_create / os.pidfd_open are not available (Linux only)"
     if not os.path.exists(_BOOT_ID_PATH) or not os.path.isdir(f"/proc/{os.getpid()}/fd"):
         return "/proc is not mounted"
     return None
@@ -118,7 +119,8 @@ class PeerMapping:
     """A peer's shared region mapped read-only here, with a cheap check that the peer lives.
 
     The mapping itself outlives the peer (we hold a reference to the memory), so a read could
-    copy a dead engine's last bytes; ``peer_alive`` tells a read to fail instead.
+    copy a dead engine's last bytes; ``peer_alive`` tells a read to fail instead. (A peer that
+    is alive but freed the blocks is caught by the lease release after the read.)
     """
 
     def __init__(self, region: SharedRegion, bytes_per_block: int) -> None:
@@ -129,11 +131,26 @@ class PeerMapping:
             raise ValueError("shm: the peer runs on another host (boot ids differ); use nixl, ucx or tcp")
         self.region = region
         self._path = f"/proc/{region.pid}/fd/{region.fd}"
+        # A pidfd names the process itself (a recycled pid cannot pass for it) and becomes
+        # readable when it exits: the per-read liveness check is one poll(), no /proc lookup.
+        # Opened before the memfd check below, so both are known to be the same process.
+        try:
+            self._pidfd = os.pidfd_open(region.pid)
+        except OSError as exc:
+            raise ValueError(
+                f"shm: the peer's process {region.pid} is not visible here ({exc.strerror}): "
+                "shm needs both engines on one host, in one pid namespace"
+            ) from None
+        self._exited = select.poll()
+        self._exited.register(self._pidfd, select.POLLIN)
         try:
             if not os.readlink(self._path).startswith(f"/memfd:{region.name}"):
                 raise ValueError(f"shm: {self._path} is not the peer's KV cache (the peer is gone)")
             fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
+            os.close(self._pidfd)
+            if isinstance(exc, ValueError):
+                raise
             raise ValueError(
                 f"shm: cannot open the peer's KV cache at {self._path} ({exc.strerror}): "
                 "shm needs both engines on one host, as one user, in one pid namespace"
@@ -144,8 +161,10 @@ class PeerMapping:
                 raise ValueError(
                     f"shm: the peer's cache has {stat.st_size} bytes, it advertised {region.nbytes}"
                 )
-            self._inode = stat.st_ino
             self._buffer = mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(self._pidfd)
+            raise
         finally:
             os.close(fd)
         with warnings.catch_warnings():  # read-only on purpose: we never write a peer's cache
@@ -156,14 +175,13 @@ class PeerMapping:
         self.blocks = flat[: num_blocks * bytes_per_block].view(num_blocks, bytes_per_block)
 
     def peer_alive(self) -> bool:
-        """True while the peer process still holds the region (one stat of its fd)."""
-        try:
-            return os.stat(self._path).st_ino == self._inode
-        except OSError:
-            return False
+        """True while the peer process runs (its pidfd is not readable yet)."""
+        return not self._exited.poll(0)
 
     def close(self) -> None:
         """Unmap, unless a read still uses the blocks (then the GC unmaps after it)."""
+        with contextlib.suppress(OSError):
+            os.close(self._pidfd)
         del self.blocks
         with contextlib.suppress(BufferError):  # a read still holds a view: the GC unmaps later
             self._buffer.close()
