@@ -108,6 +108,9 @@ class CoreServer:
         self.ctx.term()
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-core")
     parser.add_argument("--input", required=True)
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s core[%(process)d] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # The KV transfer thread must get the GIL promptly while a step runs Python between its
+    # torch ops: a 5 ms default switch interval was up to 5 ms of queueing on every pull.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     try:
