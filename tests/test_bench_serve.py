@@ -270,7 +270,10 @@ def test_bench_serve_records_the_chunk_sweep_and_its_choice(three_setup_run):
     for row in sweep["rows"]:
         assert row["decode_step_ms"] > 0 and row["mixed_step_ms"] > 0 and row["prefill_ms"] > 0
         assert math.isclose(row["ratio"], row["mixed_step_ms"] / row["decode_step_ms"])
-    assert chunk_sweep.choose_chunk(sweep["rows"], chunk["max_ratio"])[0] == chunk["tokens"]
+    assert (
+        chunk_sweep.choose_chunk(sweep["rows"], chunk["max_ratio"], chunk["max_step_ms"])[0]
+        == chunk["tokens"]
+    )
 
 
 def test_bench_serve_reports_spread_and_verdicts_over_repeats(three_setup_run):
@@ -314,7 +317,7 @@ def test_verdict_is_claimed_only_where_it_holds_in_every_repeat():
     ] == "pd worse"
 
 
-def test_chunk_rule_picks_the_largest_budget_within_the_ratio_else_the_smallest():
+def test_chunk_rule_picks_the_largest_budget_within_the_ratio_else_within_the_slo_else_the_smallest():
     def sweep(*ratios: float) -> list[dict]:
         rows = [{"tokens": None, "decode_step_ms": 100.0, "mixed_step_ms": 2000.0, "ratio": 20.0}]
         for tokens, ratio in zip((32, 64, 128, 256), ratios, strict=False):
@@ -327,6 +330,10 @@ def test_chunk_rule_picks_the_largest_budget_within_the_ratio_else_the_smallest(
     assert chunk_sweep.choose_chunk(sweep(1.1, 1.3, 1.4, 1.5), 1.5)[0] == 256
     tokens, reason = chunk_sweep.choose_chunk(sweep(1.9, 2.3, 4.0, 7.6), 1.5)
     assert tokens == 32 and "no budget" in reason
+    # None within the ratio: the largest whose step fits the inter-token SLO, else the smallest.
+    tokens, reason = chunk_sweep.choose_chunk(sweep(3.1, 5.1, 8.3, 11.9), 1.5, max_step_ms=600.0)
+    assert tokens == 64 and "inter-token SLO" in reason
+    assert chunk_sweep.choose_chunk(sweep(6.0, 7.0, 8.0, 9.0), 1.5, max_step_ms=500.0)[0] == 32
     assert chunk_sweep.typical_decode_batch(0.25, 64, 0.1) == 2
     assert chunk_sweep.typical_decode_batch(0.0, 64, 0.1) == 1
     assert chunk_sweep.engine_args_for_budget(32) == [

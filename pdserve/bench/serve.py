@@ -394,7 +394,7 @@ def choose_chunk_tokens(
     JSON records: the budget, where it came from, the rule, and the sweep behind it."""
     if args.chunk_tokens is not None:
         return {"tokens": args.chunk_tokens, "source": "--chunk-tokens", "reason": "given on the command line",
-                "max_ratio": None, "sweep": None}  # fmt: skip
+                "max_ratio": None, "max_step_ms": None, "sweep": None}  # fmt: skip
     prompt_len, output_len = workload.mean_lengths()
     finite = [r for r in args.rates if np.isfinite(r)]
     # Round robin splits the arrivals over the two engines; the highest rate is where a stall
@@ -412,9 +412,11 @@ def choose_chunk_tokens(
         rate_per_engine=max(finite, default=0.0) / 2, repeats=args.chunk_sweep_repeats,
         max_model_len=args.max_model_len, seed=args.seed,
     )  # fmt: skip
-    tokens, reason = chunk_sweep.choose_chunk(sweep["rows"], args.chunk_max_ratio)
+    # A stall within the inter-token SLO costs no goodput (with --slo-itl-stat max, every gap
+    # counts; with p90 the SLO is looser than one step, so the same bound is conservative).
+    tokens, reason = chunk_sweep.choose_chunk(sweep["rows"], args.chunk_max_ratio, args.slo_itl_ms)
     return {"tokens": tokens, "source": "sweep", "reason": reason, "max_ratio": args.chunk_max_ratio,
-            "sweep": sweep}  # fmt: skip
+            "max_step_ms": args.slo_itl_ms, "sweep": sweep}  # fmt: skip
 
 
 def _json_rate(row: dict[str, Any]) -> dict[str, Any]:
