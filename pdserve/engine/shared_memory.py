@@ -10,6 +10,7 @@ same host, and maps it read-only. ``SharedRegion`` is what the owner advertises 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import select
@@ -83,10 +84,7 @@ def allocate_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     reason = shared_memory_unavailable()
     if reason is not None:
         raise RuntimeError(f"cannot allocate a shared KV cache: {reason}")
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     name = f"pdserve-kv-{uuid.uuid4().hex}"
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
@@ -129,11 +127,9 @@ class PeerMapping:
             raise ValueError(f"shm: {reason}")
         if region.boot_id != boot_id():
             raise ValueError("shm: the peer runs on another host (boot ids differ); use nixl, ucx or tcp")
-        self.region = region
-        self._path = f"/proc/{region.pid}/fd/{region.fd}"
         # A pidfd names the process itself (a recycled pid cannot pass for it) and becomes
         # readable when it exits: the per-read liveness check is one poll(), no /proc lookup.
-        # Opened before the memfd check below, so both are known to be the same process.
+        # Opened before the memfd check in _map_read_only, so both are known to be one process.
         try:
             self._pidfd = os.pidfd_open(region.pid)
         except OSError as exc:
@@ -141,32 +137,13 @@ class PeerMapping:
                 f"shm: the peer's process {region.pid} is not visible here ({exc.strerror}): "
                 "shm needs both engines on one host, in one pid namespace"
             ) from None
-        self._exited = select.poll()
-        self._exited.register(self._pidfd, select.POLLIN)
         try:
-            if not os.readlink(self._path).startswith(f"/memfd:{region.name}"):
-                raise ValueError(f"shm: {self._path} is not the peer's KV cache (the peer is gone)")
-            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
-        except (OSError, ValueError) as exc:
-            os.close(self._pidfd)
-            if isinstance(exc, ValueError):
-                raise
-            raise ValueError(
-                f"shm: cannot open the peer's KV cache at {self._path} ({exc.strerror}): "
-                "shm needs both engines on one host, as one user, in one pid namespace"
-            ) from None
-        try:
-            stat = os.fstat(fd)
-            if stat.st_size != region.nbytes:
-                raise ValueError(
-                    f"shm: the peer's cache has {stat.st_size} bytes, it advertised {region.nbytes}"
-                )
-            self._buffer = mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._buffer = _map_read_only(region)
         except BaseException:
             os.close(self._pidfd)
             raise
-        finally:
-            os.close(fd)
+        self._exited = select.poll()
+        self._exited.register(self._pidfd, select.POLLIN)
         with warnings.catch_warnings():  # read-only on purpose: we never write a peer's cache
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
@@ -185,3 +162,24 @@ class PeerMapping:
         del self.blocks
         with contextlib.suppress(BufferError):  # a read still holds a view: the GC unmaps later
             self._buffer.close()
+
+
+def _map_read_only(region: SharedRegion) -> mmap.mmap:
+    """The owner's memfd, found through its /proc fd entry and mapped read-only."""
+    path = f"/proc/{region.pid}/fd/{region.fd}"
+    try:
+        if not os.readlink(path).startswith(f"/memfd:{region.name}"):
+            raise ValueError(f"shm: {path} is not the peer's KV cache (the peer is gone)")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(
+            f"shm: cannot open the peer's KV cache at {path} ({exc.strerror}): "
+            "shm needs both engines on one host, as one user, in one pid namespace"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != region.nbytes:
+            raise ValueError(f"shm: the peer's cache has {size} bytes, it advertised {region.nbytes}")
+        return mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)

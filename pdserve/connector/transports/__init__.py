@@ -1,8 +1,8 @@
 """KV block transports behind one interface (``base.KVTransport``), chosen by name.
 
-``tcp`` is always available. ``shm`` needs Linux (memfd, /proc) and both engines on one host;
-it is never picked by ``auto``, which cannot know where the peer runs. ``ucx`` needs ``ucxx`` (ucxx-cu12) to import; ``nixl`` needs
-``nixl`` to import *and* to bring up an agent with its UCX backend (the wheel imports fine on a
+``tcp`` is always available. ``shm`` needs Linux (memfd, pidfd, /proc) and both engines on one
+host; it is never picked by ``auto``, which cannot know where the peer runs. ``ucx`` needs
+``ucxx`` (ucxx-cu12) to import; ``nixl`` needs ``nixl`` to import *and* to bring up an agent with its UCX backend (the wheel imports fine on a
 machine where its plugins cannot load). ``auto`` picks the first available of
 ``AUTO_PREFERENCE``.
 """
