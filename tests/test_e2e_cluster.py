@@ -23,10 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster, pick_free_ports
 from pdserve.engine.request import SamplingParams
+from pdserve.v1 import engine_pb2_grpc
 from tests.cluster_helpers import TINY_ENGINE_ARGS, frozen, is_idle, next_within, pid_gone, wait_idle
 from tests.text_corpus import long_text, prompts_of_lengths
 
@@ -421,6 +423,86 @@ def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, tiny_ll
         assert [s["healthy"] for s in decode_stats] == [False]
         with pytest.raises(ClusterError, match="decode-0 .* was killed by SIGKILL"):
             cluster.check()
+
+
+class _ShuttingDownDecodeEngine(engine_pb2_grpc.EngineServicer):
+    """A decode engine as a router sees it in the instant its gRPC server stops after a
+    drain: health says SERVING (the router has not polled since), but every Generate gets
+    CANCELLED, the status gRPC gives a call that arrives while its server shuts down."""
+
+    def __init__(self, real_address: str) -> None:
+        self.real = grpc.insecure_channel(real_address)
+        self.generate_calls = 0
+
+    def Info(self, request, context):
+        return engine_pb2_grpc.EngineStub(self.real).Info(request, timeout=10)
+
+    def Stats(self, request, context):
+        return engine_pb2_grpc.EngineStub(self.real).Stats(request, timeout=10)
+
+    def Generate(self, request, context):
+        self.generate_calls += 1
+        context.abort(grpc.StatusCode.CANCELLED, "Server shutdown")
+
+
+def _all_healthy(client: Client, num_engines: int) -> bool:
+    try:
+        stats = client.stats()
+    except grpc.RpcError:
+        return False  # the router is still starting
+    return len(stats) == num_engines and all(s["healthy"] for s in stats)
+
+
+def test_engine_that_cancels_a_call_before_any_output_is_retried_on_another(
+    cluster, client, tiny_llm, prompts
+):
+    """A request must not fail because it reached a decode engine in the moment its server
+    stopped (CI saw it once in a rolling restart): the router retries it elsewhere."""
+    fake = _ShuttingDownDecodeEngine(cluster.decode_addresses[0])
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    engine_pb2_grpc.add_EngineServicer_to_server(fake, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    fake_port, router_port = pick_free_ports("127.0.0.1", 2)
+    server.add_insecure_port(f"127.0.0.1:{fake_port}")
+    server.start()
+    router = subprocess.Popen(
+        [
+            sys.executable, "-m", "pdserve", "router",
+            "--port", str(router_port),
+            "--model", cluster.model,
+            "--prefill", cluster.prefill_addresses[0],
+            "--decode", f"127.0.0.1:{fake_port},{cluster.decode_addresses[0]}",
+            "--policy", "round_robin",
+            "--disagg-min-tokens", "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        with Client(f"127.0.0.1:{router_port}") as second:
+            deadline = time.monotonic() + 60
+            while not _all_healthy(second, 3) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for prompt in (_fresh_prompt(tiny_llm.tokenizer) for _ in range(4)):
+                via_fake = second.generate(
+                    prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=CALL_TIMEOUT_S
+                )
+                direct = client.generate(
+                    prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=CALL_TIMEOUT_S
+                )
+                assert via_fake.token_ids == direct.token_ids
+                assert via_fake.metrics["decode_engine"] == cluster.decode_addresses[0]
+        router.terminate()
+        assert fake.generate_calls >= 1, router.communicate(timeout=30)[0]
+    finally:
+        router.terminate()
+        router.wait(30)
+        server.stop(0)
+        fake.real.close()
+    _assert_all_idle(client)
 
 
 # ---------------------------------------------------------------------- the command

@@ -384,6 +384,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if live.aborted:
                     raise _Aborted() from None
                 code = exc.code()
+                if code == grpc.StatusCode.CANCELLED and not produced:
+                    # Not our cancel (that sets live.aborted or raises CancelledError): the
+                    # engine's server cancelled the call, as gRPC does to a call that arrives
+                    # while the server stops (an engine done draining, before this router
+                    # noticed). Nothing ran, so it is retriable like an unreachable engine.
+                    code = grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     # Refused: the id is another request's there, which our clean-up must not abort.
                     live.engines.remove(engine)
