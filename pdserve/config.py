@@ -15,6 +15,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ROLES = ("producer", "consumer", "both")
 KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl", "shm")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+HANDOVER_STEPS = ("joined", "separate")
 
 
 def _require_positive(**values: int) -> None:
@@ -38,6 +39,11 @@ class SchedulerConfig:
     # What the scheduler does when a remote KV load fails: recompute the prompt locally, or
     # finish the request with FINISHED_ERROR.
     kv_load_failure_policy: str = "recompute"
+    # A request whose remote KV has just landed (a decode engine's handover): "joined" runs it
+    # in the next batch step with everyone (vLLM's behaviour); "separate" first runs a small
+    # step of the landed requests alone, so their first decode token costs a small step instead
+    # of a full batch step (the running requests wait that small step once). See Scheduler.
+    handover_step: str = "joined"
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -69,6 +75,8 @@ class SchedulerConfig:
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must not "
                 f"exceed max_model_len ({self.max_model_len})"
             )
+        if self.handover_step not in HANDOVER_STEPS:
+            raise ValueError(f"handover_step must be one of {HANDOVER_STEPS}, got {self.handover_step!r}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "

@@ -336,6 +336,7 @@ class SchedulerFactory:
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
         kv_load_failure_policy: str = "recompute",
+        handover_step: str = "joined",
         block_size: int = 4,
         num_blocks: int = 64,
         enable_prefix_caching: bool = True,
@@ -351,6 +352,7 @@ class SchedulerFactory:
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 policy=policy,
                 kv_load_failure_policy=kv_load_failure_policy,
+                handover_step=handover_step,
             ),
             CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching

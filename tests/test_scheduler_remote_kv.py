@@ -104,6 +104,68 @@ def test_landed_remote_kvs_run_the_request_recomputing_only_the_last_prompt_toke
     assert transcript.finish_reasons == {"r": "length"}
 
 
+def _running_with_a_landed_load(make_scheduler, handover_step: str):
+    """Two local requests decoding, and a remote one whose load has just been reported."""
+    connector = FakeConnector()
+    scheduler = make_scheduler(connector=connector, handover_step=handover_step)
+    local = [make_request(f"local-{i}", 6, max_tokens=20) for i in range(2)]
+    for request in local:
+        scheduler.add_request(request)
+    run_step(scheduler)  # their prefills
+    remote = _remote_request("remote", 10, max_tokens=8)
+    _start_remote_load(scheduler, remote)
+    run_step(scheduler, finished_recving={"remote"})
+    return scheduler, local, remote
+
+
+def test_joined_handover_runs_a_landed_request_in_the_next_batch_step(make_scheduler):
+    scheduler, local, remote = _running_with_a_landed_load(make_scheduler, "joined")
+    step = run_step(scheduler)
+    assert step.scheduled == {"local-0": 1, "local-1": 1, "remote": 1}  # vLLM's behaviour
+    transcript = run_until_idle(scheduler)
+    assert transcript.finish_reasons == {"remote": "length", "local-0": "length", "local-1": "length"}
+
+
+def test_separate_handover_step_runs_landed_requests_alone_then_everyone(make_scheduler):
+    scheduler, local, remote = _running_with_a_landed_load(make_scheduler, "separate")
+    step = run_step(scheduler)
+    assert step.scheduled == {"remote": 1}  # the running requests wait this small step
+    assert step.scheduler_output.scheduled_cached_reqs.req_ids == []
+    assert step.output_of("remote").new_token_ids == reference_output(remote)[:1]
+    step = run_step(scheduler)
+    assert step.scheduled == {"local-0": 1, "local-1": 1, "remote": 1}
+    run_until_idle(scheduler)
+    for request in [*local, remote]:  # nobody's tokens changed, only when they were computed
+        assert request.output_token_ids == reference_output(request)
+
+
+def test_separate_handover_steps_take_at_most_one_step_in_four_from_the_running(make_scheduler):
+    scheduler, local, remote = _running_with_a_landed_load(make_scheduler, "separate")
+    assert run_step(scheduler).scheduled == {"remote": 1}
+    # Another load lands right away: it joins the batch until HANDOVER_STEP_MIN_GAP has passed.
+    later = _remote_request("later", 10, max_tokens=3)
+    _start_remote_load(scheduler, later)  # this step also runs the batch
+    step = run_step(scheduler, finished_recving={"later"})
+    assert set(step.scheduled) == {"local-0", "local-1", "remote"}
+    step = run_step(scheduler)
+    assert step.scheduled == {"local-0": 1, "local-1": 1, "remote": 1, "later": 1}
+    run_until_idle(scheduler)
+    assert later.output_token_ids == reference_output(later)
+
+
+def test_separate_handover_step_is_not_taken_when_nothing_else_runs(make_scheduler):
+    connector = FakeConnector()
+    scheduler = make_scheduler(connector=connector, handover_step="separate")
+    remote = _remote_request("remote", 10, max_tokens=3)
+    _start_remote_load(scheduler, remote)
+    run_step(scheduler, finished_recving={"remote"})
+    waiting = make_request("prompt", 6, max_tokens=2)
+    scheduler.add_request(waiting)
+    step = run_step(scheduler)  # an ordinary step: the landed request and the new prompt
+    assert step.scheduled == {"remote": 1, "prompt": 6}
+    run_until_idle(scheduler)
+
+
 def test_partial_local_prefix_hit_reduces_what_the_connector_loads(make_scheduler):
     connector = FakeConnector()
     scheduler = make_scheduler(connector=connector)

@@ -267,6 +267,7 @@ def summarize(
         pull_samples = [t.pull_ms for t in done if t.pull_ms is not None]
         pull = median(pull_samples) if pull_samples else fallback_pull_ms or float("nan")
         handover = median([t.handover_ms for t in done])
+        gaps = sorted(g for t in done for g in t.later_gaps_ms)
         out["load"] = {
             "requests": len(done),
             "failed": len(load) - len(done),
@@ -274,6 +275,10 @@ def summarize(
             "decode_step_p50_ms": step,
             "pull_p50_ms": pull,
             "handover_in_steps": handover / step,
+            # What the running requests pay for the handovers (a separate handover step delays
+            # their next token once): inter-token gaps after the second token.
+            "itl_mean_ms": statistics.fmean(gaps),
+            "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
         }
         budget = pull + 1.5 * step
         out["goals"].append(

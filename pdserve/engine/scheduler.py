@@ -30,6 +30,13 @@ differs on purpose:
   length first): a request whose last allowed token is EOS finishes "stop", not "length".
 - Invalid blocks of a request that already finished and is held for a remote reader (a prefill
   engine's lease) are only taken out of the prefix cache; the reader's own validation decides.
+- ``handover_step="separate"`` (off by default here, on for ``pdserve decode``): requests whose
+  remote KV has landed run in a step of their own before the next batch step, at most one such
+  step in ``HANDOVER_STEP_MIN_GAP``. A decode step on CPU costs about the same whatever the batch
+  (reading the weights dominates), so joining a landed request to the next batch step made its
+  second token wait the rest of the step in flight plus a whole batch step; a small step of its
+  own cuts that to the rest of the step plus the small step, and delays the running requests'
+  next token by that small step once. vLLM always joins (``"joined"``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import CacheConfig, SchedulerConfig
@@ -56,6 +64,22 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_queue import create_request_queue
 
 logger = logging.getLogger(__name__)
+
+# With handover_step="separate": at most one step in this many runs only newly landed requests
+# (so arrivals can take at most that share of the steps from the running requests).
+HANDOVER_STEP_MIN_GAP = 4
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -117,6 +141,7 @@ class Scheduler(SchedulerInterface):
         self.resync_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._warned_empty_async_load = False
+        self._steps_since_handover_step = HANDOVER_STEP_MIN_GAP  # steps since one ran only landed requests
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -187,22 +212,84 @@ class Scheduler(SchedulerInterface):
 
     def schedule(self) -> SchedulerOutput:
         config = self.scheduler_config
-        token_budget = config.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
-        num_scheduled_tokens: dict[str, int] = {}
-        req_to_new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
+        step = _Step(token_budget=config.max_num_batched_tokens)
+        if self._handover_step_due():
+            # Only the requests whose remote KV has landed: their first decode token then costs
+            # a small step instead of a full batch step; the running requests wait this one.
+            self._schedule_waiting(step, only_landed=True)
+            self._steps_since_handover_step = 0
+        if not step.num_scheduled_tokens:
+            self._schedule_running(step)
+            self._schedule_waiting(step, only_landed=False)
+        self._steps_since_handover_step += 1
+        num_scheduled_tokens = step.num_scheduled_tokens
+        req_to_new_block_ids = step.req_to_new_block_ids
+        scheduled_running = step.scheduled_running
 
-        # 1. Running requests: decodes and the next chunk of partial prefills.
+        total = sum(num_scheduled_tokens.values())
+        assert total <= config.max_num_batched_tokens and step.token_budget >= 0
+        assert len(self.running) <= config.max_num_seqs
+
+        resynced = [r for r in scheduled_running if r.request_id in self.resync_req_ids]
+        if resynced:
+            self.resync_req_ids.difference_update(r.request_id for r in resynced)
+            scheduled_running = [r for r in scheduled_running if r not in resynced]
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id))
+                for r in resynced
+            ]
+            + [
+                NewRequestData.from_request(r, req_to_new_block_ids[r.request_id]) for r in step.scheduled_new
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running],
+                resumed_from_preemption=[False] * len(scheduled_running),
+                new_block_ids=[req_to_new_block_ids[r.request_id] for r in scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in step.preempted},
+        )
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+
+        # Advance progress now so the next schedule() can continue a chunked prefill at once.
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    def _handover_step_due(self) -> bool:
+        """Whether this step runs only the requests whose remote KV has just landed.
+
+        With ``handover_step="separate"``, when some have landed and running requests have work
+        too, and no such step ran in the last ``HANDOVER_STEP_MIN_GAP`` steps (so a stream of
+        arrivals cannot take more than that share of the steps from the running requests).
+        """
+        if self.scheduler_config.handover_step != "separate":
+            return False
+        if self._steps_since_handover_step < HANDOVER_STEP_MIN_GAP:
+            return False
+        landed = any(
+            (request := self.requests.get(req_id)) is not None
+            and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            for req_id in self.finished_recving_kv_req_ids
+        )
+        return landed and any(r.num_tokens > r.num_computed_tokens for r in self.running)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests first: decodes and the next chunk of partial prefills."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = min(num_new_tokens, step.token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -211,30 +298,40 @@ class Scheduler(SchedulerInterface):
                 if new_block_ids is not None:
                     break
                 victim = self._pick_preemption_victim()
-                if victim in scheduled_running:
+                if victim in step.scheduled_running:
                     # Already scheduled this step (priority policy): give its tokens back.
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    req_to_new_block_ids.pop(victim.request_id, None)
+                    step.scheduled_running.remove(victim)
+                    step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
+                    step.req_to_new_block_ids.pop(victim.request_id, None)
                     req_index -= 1
                 self._preempt(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is request:
                     break
             if new_block_ids is None:
                 break
-            scheduled_running.append(request)
-            req_to_new_block_ids[request.request_id] = new_block_ids
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            step.scheduled_running.append(request)
+            step.req_to_new_block_ids[request.request_id] = new_block_ids
+            step.num_scheduled_tokens[request.request_id] = num_new_tokens
+            step.token_budget -= num_new_tokens
             req_index += 1
 
-        # 2. Waiting requests, unless this step had to preempt (no room to admit anyone).
+    def _schedule_waiting(self, step: _Step, only_landed: bool) -> None:
+        """Admit waiting requests, unless this step had to preempt (no room to admit anyone);
+        ``only_landed``: only those whose remote KV has landed (a handover step)."""
+        config = self.scheduler_config
+        threshold = config.long_prefill_token_threshold
         skipped = create_request_queue(config.policy)
-        while not preempted and self.waiting and token_budget > 0:
+        while not step.preempted and self.waiting and step.token_budget > 0:
             if len(self.running) >= config.max_num_seqs:
                 break
             request = self.waiting.peek_request()
+            if only_landed and not (
+                request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and request.request_id in self.finished_recving_kv_req_ids
+            ):
+                skipped.add_request(self.waiting.pop_request())
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if not self._remote_kv_ready(request):
                     skipped.add_request(self.waiting.pop_request())
@@ -265,10 +362,10 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens = request.num_tokens - num_computed_tokens
                 if 0 < threshold < num_new_tokens:
                     num_new_tokens = threshold
-                if not config.enable_chunked_prefill and num_new_tokens > token_budget:
+                if not config.enable_chunked_prefill and num_new_tokens > step.token_budget:
                     skipped.add_request(self.waiting.pop_request())
                     continue
-                num_new_tokens = min(num_new_tokens, token_budget)
+                num_new_tokens = min(num_new_tokens, step.token_budget)
                 assert num_new_tokens > 0
 
             new_block_ids = self.kv_cache_manager.allocate_slots(
@@ -296,10 +393,12 @@ class Scheduler(SchedulerInterface):
                 continue
 
             self.running.append(request)
-            scheduled_new.append(request)
-            req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            step.scheduled_new.append(request)
+            step.req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
+                request.request_id
+            )
+            step.num_scheduled_tokens[request.request_id] = num_new_tokens
+            step.token_budget -= num_new_tokens
             request.status = RequestStatus.RUNNING
             request.mark("scheduled")
             request.num_computed_tokens = num_computed_tokens
@@ -308,40 +407,6 @@ class Scheduler(SchedulerInterface):
 
         if skipped:
             self.waiting.prepend_requests(skipped)
-
-        total = sum(num_scheduled_tokens.values())
-        assert total <= config.max_num_batched_tokens and token_budget >= 0
-        assert len(self.running) <= config.max_num_seqs
-
-        resynced = [r for r in scheduled_running if r.request_id in self.resync_req_ids]
-        if resynced:
-            self.resync_req_ids.difference_update(r.request_id for r in resynced)
-            scheduled_running = [r for r in scheduled_running if r not in resynced]
-        output = SchedulerOutput(
-            scheduled_new_reqs=[
-                NewRequestData.from_request(r, self.kv_cache_manager.get_block_ids(r.request_id))
-                for r in resynced
-            ]
-            + [NewRequestData.from_request(r, req_to_new_block_ids[r.request_id]) for r in scheduled_new],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r in scheduled_running],
-                resumed_from_preemption=[False] * len(scheduled_running),
-                new_block_ids=[req_to_new_block_ids[r.request_id] for r in scheduled_running],
-                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
-            ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-        )
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
-
-        # Advance progress now so the next schedule() can continue a chunked prefill at once.
-        for req_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
-        self.finished_req_ids = set()
-        return output
 
     def admit_remote_loads(self) -> Any:
         """Give waiting requests whose prompt KV sits on a remote engine their blocks now, and

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import (
+    HANDOVER_STEPS,
     KV_TRANSPORTS,
     CacheConfig,
     EngineConfig,
@@ -285,6 +286,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-timeout-s", type=float, default=10.0)
     parser.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     parser.add_argument(
+        "--handover-step",
+        default="separate",
+        choices=list(HANDOVER_STEPS),
+        help="decode: run requests whose KV just landed in a small step of their own first "
+        "(separate), or in the next batch step (joined, as vLLM)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -320,6 +328,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
             max_model_len=args.max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             kv_load_failure_policy=args.kv_load_failure_policy,
+            handover_step=args.handover_step,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

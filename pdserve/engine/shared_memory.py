@@ -148,8 +148,9 @@ class PeerMapping:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
         # The peer's blocks as [num_blocks, bytes_per_block] rows (a view of the mapping).
-        num_blocks = region.nbytes // bytes_per_block
-        self.blocks = flat[: num_blocks * bytes_per_block].view(num_blocks, bytes_per_block)
+        self.num_blocks = region.nbytes // bytes_per_block
+        self.blocks = flat[: self.num_blocks * bytes_per_block].view(self.num_blocks, bytes_per_block)
+        self.address = self.blocks.data_ptr()  # for raw copies; valid until close()
 
     def peer_alive(self) -> bool:
         """True while the peer process runs (its pidfd is not readable yet)."""

@@ -121,7 +121,27 @@ class _DecodeGroup:
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: real context positions
 
 
-_last_plan = threading.local()
+@dataclass
+class _CachedPlan:
+    """The last plan built on this thread, with copies of the inputs it was built from."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+    groups: list[_DecodeGroup]
+
+    def matches(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> bool:
+        return (
+            self.block_size == block_size
+            and self.block_tables.shape == block_tables.shape
+            and self.seq_lens.shape == seq_lens.shape
+            and self.block_tables.device == block_tables.device
+            and torch.equal(self.block_tables, block_tables)
+            and torch.equal(self.seq_lens, seq_lens)
+        )
+
+
+_last_plan = threading.local()  # .entry: a _CachedPlan
 
 
 def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[_DecodeGroup]:
@@ -133,17 +153,9 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
     ``inference_mode``, whose tensors have no version counter, and a buffer rewritten in place
     keeps its identity.
     """
-    last = getattr(_last_plan, "entry", None)
-    if (
-        last is not None
-        and last[2] == block_size
-        and last[0].shape == block_tables.shape
-        and last[1].shape == seq_lens.shape
-        and last[0].device == block_tables.device
-        and torch.equal(last[0], block_tables)
-        and torch.equal(last[1], seq_lens)
-    ):
-        return last[3]
+    last: _CachedPlan | None = getattr(_last_plan, "entry", None)
+    if last is not None and last.matches(block_tables, seq_lens, block_size):
+        return last.groups
     lens = seq_lens.tolist()
     groups = decode_length_groups(lens)
     device = seq_lens.device
@@ -157,7 +169,7 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
         mask = positions[None, :] < group_lens[:, None].to(positions.dtype)
         block_ids = tables[:, :max_blocks].reshape(-1).long()
         plan.append(_DecodeGroup(rows, block_ids, mask[:, None, None, :]))
-    _last_plan.entry = (block_tables.clone(), seq_lens.clone(), block_size, plan)
+    _last_plan.entry = _CachedPlan(block_tables.clone(), seq_lens.clone(), block_size, plan)
     return plan
 
 

@@ -2,7 +2,7 @@
 
 For engines on one host (one node, or containers sharing a pid namespace). Prefill's cache is
 allocated in a memfd (``pdserve.engine.shared_memory``); ``local_metadata`` says where, and a
-reader maps it read-only once, at ``add_remote``. A read is then one ``copy_`` per run of
+reader maps it read-only once, at ``add_remote``. A read is then one ``memmove`` per run of
 contiguous blocks, on the caller's thread (the decode engine's transfer thread, never the
 engine loop): nothing crosses a socket, no thread is woken, so a pull costs about what memcpy
 of the same bytes costs. It is the one-sided read NIXL does over CMA, without the library in
@@ -18,6 +18,7 @@ blocks are freed by that release.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any, ClassVar
@@ -50,7 +51,7 @@ class ShmTransport(KVTransport):
             )
         self._peers: dict[str, PeerMapping] = {}  # {engine_id: its mapped cache}
         self._peers_lock = threading.Lock()
-        self._local_blocks = kv_cache.view(torch.uint8).view(self.num_blocks, self.bytes_per_block)
+        self._local_address = kv_cache.data_ptr()  # block b starts b * bytes_per_block after it
 
     def _transport_metadata(self) -> dict[str, Any]:
         return {"region": self._region.to_dict()} if self._region is not None and self.role.serves else {}
@@ -75,25 +76,34 @@ class ShmTransport(KVTransport):
 
     def _start_read(self, job: ReadJob) -> None:
         """Copy now, on the caller's thread (see the module docstring), then report."""
+        error = self._copy(job)
+        self._finish(job, error)
+
+    def _copy(self, job: ReadJob) -> str | None:
+        """Copy the job's block runs out of the peer's mapping; why not, if it cannot.
+
+        One ``memmove`` per run between raw addresses (bounds checked first): a torch slice
+        and ``copy_`` cost ~10 us of dispatch per run, a third of a one-block pull. The peers
+        lock is held throughout, so ``_remove_remote`` cannot unmap the memory mid-copy.
+        """
+        bytes_per_block = self.bytes_per_block
         with self._peers_lock:
             mapping = self._peers.get(job.engine_id)
-        if mapping is None:
-            self._finish(job, "peer removed")
-            return
-        remote_blocks = mapping.blocks
-        if not mapping.peer_alive():
-            self._finish(job, f"peer {job.engine_id} is gone (its process no longer holds the KV cache)")
-            return
-        held = remote_blocks.shape[0]  # what the peer really has, whatever it claimed
-        for run in job.runs:
-            if run.remote_start + run.count > held:
-                self._finish(job, f"run [{run.remote_start}, {run.count}] outside blocks [0, {held})")
-                return
-        for run in job.runs:
-            self._local_blocks[run.local_start : run.local_start + run.count].copy_(
-                remote_blocks[run.remote_start : run.remote_start + run.count]
-            )
-        self._finish(job, None)
+            if mapping is None:
+                return "peer removed"
+            if not mapping.peer_alive():
+                return f"peer {job.engine_id} is gone (its process no longer holds the KV cache)"
+            held = mapping.num_blocks  # what the peer really has, whatever it claimed
+            for run in job.runs:
+                if run.remote_start + run.count > held:
+                    return f"run [{run.remote_start}, {run.count}] outside blocks [0, {held})"
+            for run in job.runs:
+                ctypes.memmove(
+                    self._local_address + run.local_start * bytes_per_block,
+                    mapping.address + run.remote_start * bytes_per_block,
+                    run.count * bytes_per_block,
+                )
+        return None
 
     def _close(self) -> None:
         with self._peers_lock:
