@@ -42,7 +42,7 @@ class SchedulerConfig:
     # A request whose remote KV has just landed (a decode engine's handover): "joined" runs it
     # in the next batch step with everyone (vLLM's behaviour); "separate" first runs a small
     # step of the landed requests alone, so their first decode token costs a small step instead
-    # of a full batch step (the running requests wait that small step once). See Scheduler.
+    # of a full batch step, and the running requests wait that small step. See Scheduler.
     handover_step: str = "joined"
 
     def __post_init__(self) -> None:

@@ -30,13 +30,14 @@ differs on purpose:
   length first): a request whose last allowed token is EOS finishes "stop", not "length".
 - Invalid blocks of a request that already finished and is held for a remote reader (a prefill
   engine's lease) are only taken out of the prefix cache; the reader's own validation decides.
-- ``handover_step="separate"`` (off by default here, on for ``pdserve decode``): requests whose
-  remote KV has landed run in a step of their own before the next batch step, at most one such
-  step in ``HANDOVER_STEP_MIN_GAP``. A decode step on CPU costs about the same whatever the batch
-  (reading the weights dominates), so joining a landed request to the next batch step made its
-  second token wait the rest of the step in flight plus a whole batch step; a small step of its
-  own cuts that to the rest of the step plus the small step, and delays the running requests'
-  next token by that small step once. vLLM always joins (``"joined"``).
+- ``handover_step="separate"`` (opt-in; the default ``"joined"`` is vLLM's behaviour): requests
+  whose remote KV has landed run in a step of their own before the next batch step, at most one
+  such step in ``HANDOVER_STEP_MIN_GAP``. Joined, a landed request's second token waits the rest
+  of the step in flight plus a whole batch step; separate, the rest of the step plus a small
+  step, and every running request's next token waits that small step. On this CPU a one-request
+  step costs ~2/3 of a batch step (weights dominate), so it is a trade, not a free win:
+  measured in ``bench handover`` (README), the handover p50 fell 14-34% and the running
+  requests' mean inter-token gap rose 10-16%.
 """
 
 from __future__ import annotations

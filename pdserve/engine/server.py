@@ -287,10 +287,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     parser.add_argument(
         "--handover-step",
-        default="separate",
+        default="joined",
         choices=list(HANDOVER_STEPS),
-        help="decode: run requests whose KV just landed in a small step of their own first "
-        "(separate), or in the next batch step (joined, as vLLM)",
+        help="decode: run requests whose KV just landed in the next batch step (joined, as vLLM), "
+        "or first in a small step of their own (separate: a faster second token, a slower next "
+        "token for the running requests)",
     )
     parser.add_argument(
         "--drain-timeout",
