@@ -453,9 +453,7 @@ def _all_healthy(client: Client, num_engines: int) -> bool:
     return len(stats) == num_engines and all(s["healthy"] for s in stats)
 
 
-def test_engine_that_cancels_a_call_before_any_output_is_retried_on_another(
-    cluster, client, tiny_llm, prompts
-):
+def test_engine_that_cancels_a_call_before_any_output_is_retried_on_another(cluster, client, tiny_llm):
     """A request must not fail because it reached a decode engine in the moment its server
     stopped (CI saw it once in a rolling restart): the router retries it elsewhere."""
     fake = _ShuttingDownDecodeEngine(cluster.decode_addresses[0])

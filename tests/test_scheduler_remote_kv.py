@@ -153,6 +153,27 @@ def test_separate_handover_steps_take_at_most_one_step_in_four_from_the_running(
     assert later.output_token_ids == reference_output(later)
 
 
+def test_a_separate_handover_step_that_could_not_run_does_not_count_as_one(make_scheduler):
+    connector = FakeConnector()
+    scheduler = make_scheduler(connector=connector, handover_step="separate", max_num_seqs=2)
+    steady = make_request("steady", 6, max_tokens=20)
+    scheduler.add_request(steady)
+    run_step(scheduler)
+    remote = _remote_request("remote", 10, max_tokens=4)
+    _start_remote_load(scheduler, remote)  # waiting for its KV: it holds no seat
+    brief = make_request("brief", 6, max_tokens=2)
+    scheduler.add_request(brief)
+    run_step(scheduler, finished_recving={"remote"})  # "brief" takes the second seat
+    # Landed, but both seats are taken: an ordinary step instead of the separate one.
+    step = run_step(scheduler)
+    assert step.scheduled == {"steady": 1, "brief": 1}
+    assert step.output_of("brief").finish_reason == "length"
+    # A seat is free: the separate step runs now, not HANDOVER_STEP_MIN_GAP steps later.
+    assert run_step(scheduler).scheduled == {"remote": 1}
+    run_until_idle(scheduler)
+    assert remote.output_token_ids == reference_output(remote)
+
+
 def test_separate_handover_step_is_not_taken_when_nothing_else_runs(make_scheduler):
     connector = FakeConnector()
     scheduler = make_scheduler(connector=connector, handover_step="separate")

@@ -218,14 +218,15 @@ class Scheduler(SchedulerInterface):
             # Only the requests whose remote KV has landed: their first decode token then costs
             # a small step instead of a full batch step; the running requests wait this one.
             self._schedule_waiting(step, only_landed=True)
+        if step.num_scheduled_tokens:
             self._steps_since_handover_step = 0
-        if not step.num_scheduled_tokens:
+        else:  # an ordinary step (also when the landed requests could not be scheduled)
             self._schedule_running(step)
             self._schedule_waiting(step, only_landed=False)
         self._steps_since_handover_step += 1
         num_scheduled_tokens = step.num_scheduled_tokens
         req_to_new_block_ids = step.req_to_new_block_ids
-        scheduled_running = step.scheduled_running
+        scheduled_running = step.scheduled_running  # minus the resynced ones, below
 
         total = sum(num_scheduled_tokens.values())
         assert total <= config.max_num_batched_tokens and step.token_budget >= 0

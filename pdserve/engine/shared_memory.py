@@ -146,23 +146,22 @@ class PeerMapping:
         self._exited.register(self._pidfd, select.POLLIN)
         with warnings.catch_warnings():  # read-only on purpose: we never write a peer's cache
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
-        # The peer's blocks as [num_blocks, bytes_per_block] rows (a view of the mapping).
-        self.num_blocks = region.nbytes // bytes_per_block
-        self.blocks = flat[: self.num_blocks * bytes_per_block].view(self.num_blocks, bytes_per_block)
-        self.address = self.blocks.data_ptr()  # for raw copies; valid until close()
+            # Where the mapping starts, for raw copies; valid until close(). (The temporary
+            # view is dropped at once: a view left over would keep close() from unmapping.)
+            self.address = torch.frombuffer(self._buffer, dtype=torch.uint8).data_ptr()
+        self.num_blocks = region.nbytes // bytes_per_block  # the peer's blocks, whatever it claims
 
     def peer_alive(self) -> bool:
         """True while the peer process runs (its pidfd is not readable yet)."""
         return not self._exited.poll(0)
 
     def close(self) -> None:
-        """Unmap, unless a read still uses the blocks (then the GC unmaps after it)."""
+        """Unmap. The caller makes sure no read copies from ``address`` any more (the shm
+        transport holds its peers lock for every copy and closes a mapping only once it has
+        taken it out of its table under that lock)."""
         with contextlib.suppress(OSError):
             os.close(self._pidfd)
-        del self.blocks
-        with contextlib.suppress(BufferError):  # a read still holds a view: the GC unmaps later
-            self._buffer.close()
+        self._buffer.close()
 
 
 def _map_read_only(region: SharedRegion) -> mmap.mmap:
