@@ -15,7 +15,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_ROLES = ("producer", "consumer", "both")
 KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl", "shm")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-HANDOVER_STEPS = ("joined", "separate")
+HANDOVER_STEPS = ("joined", "separate", "inflight")
 
 
 def _require_positive(**values: int) -> None:
@@ -42,7 +42,9 @@ class SchedulerConfig:
     # A request whose remote KV has just landed (a decode engine's handover): "joined" runs it
     # in the next batch step with everyone (vLLM's behaviour); "separate" first runs a small
     # step of the landed requests alone, so their first decode token costs a small step instead
-    # of a full batch step, and the running requests wait that small step. See Scheduler.
+    # of a full batch step, and the running requests wait that small step; "inflight" (engine
+    # core with a connector) lets it join the step in flight between two decoder layers, when
+    # that step is at most half done. See Scheduler and EngineCore.
     handover_step: str = "joined"
 
     def __post_init__(self) -> None:

@@ -2,9 +2,11 @@
 
 The engine core takes new requests in between decoder layers (``EngineCore.run_busy_loop``)
 and gives a remote-prefill request its blocks at once (``Scheduler.admit_remote_loads``), so
-the pull overlaps the step in flight and the request runs in the next one. These tests drive
-the real busy loop over the tiny model with a scripted input channel and a connector whose
-loads land only when the test says, so "mid-step" and "the next step" are exact, not timed.
+the pull overlaps the step in flight and the request runs in the next one; with
+``handover_step="inflight"`` a request whose KV has landed joins the step in flight itself
+(``Scheduler.join_landed``, ``ModelRunner.join_decodes``). These tests drive the real busy loop
+over tiny models with a scripted input channel and a connector whose loads land only when the
+test says, so "mid-step" and "the next step" are exact, not timed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
@@ -29,22 +32,47 @@ class WorkerFakeConnector(FakeConnector):
         self.core: EngineCore | None = None
         self.land_at_start = False  # the pull ends within the step it started in
         self.load_started_mid_step: dict[str, bool] = {}  # {req_id: was a step in flight}
+        self.fail_loads = False  # landed loads report all their blocks invalid
         self._landed: set[str] = set()
+        self._invalid: set[int] = set()
+        self._done: set[str] = set()  # loads reported finished
 
     def start_load_kv(self, metadata: Any) -> None:
         assert self.core is not None
-        for req_id in self.loads_started:
+        for req_id, block_ids in self.loads_started.items():
             if req_id not in self.load_started_mid_step:
                 self.load_started_mid_step[req_id] = self.core._stepping
+                self._write_remote_kv(block_ids)
                 if self.land_at_start:
-                    self._landed.add(req_id)
+                    self.land(req_id)
+
+    def _write_remote_kv(self, block_ids: list[int]) -> None:
+        """What the prefill engine would have sent: arbitrary but fixed K/V, so attention over
+        the pulled prompt matters to the tokens (and differs from whatever the blocks held)."""
+        assert self.core is not None
+        kv_cache = self.core.runner.kv_cache
+        generator = torch.Generator().manual_seed(1234)
+        shape = (len(block_ids), *kv_cache.shape[1:])
+        kv_cache[block_ids] = torch.randn(shape, generator=generator).to(kv_cache.dtype)
 
     def land(self, req_id: str) -> None:
         self._landed.add(req_id)
+        if self.fail_loads:
+            self._invalid |= set(self.loads_started[req_id])
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._landed = self._landed, set()
+        self._done |= done
         return None, done or None
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay_free, params = super().request_finished(request, block_ids)
+        # Like the real connector: a load that has ended writes nothing more, so nothing is held.
+        return delay_free and request.request_id not in self._done, params
+
+    def get_invalid_block_ids(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
 
 
 class Script:
@@ -76,11 +104,21 @@ def tiny_loaded(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def make_core(tiny_loaded) -> tuple[EngineCore, WorkerFakeConnector, Script]:
+@pytest.fixture(scope="module")
+def four_layer_loaded(tmp_path_factory):
+    """Polled before layers 1, 2 and 3; an in-flight join is allowed up to layer 2."""
+    from pdserve.engine.model.tiny import write_tiny_model
+
+    return load_model(write_tiny_model(str(tmp_path_factory.mktemp("tiny-4-layers")), seed=3, num_layers=4))
+
+
+def make_core(tiny_loaded, handover_step: str = "joined") -> tuple[EngineCore, WorkerFakeConnector, Script]:
     connector = WorkerFakeConnector()
     core = EngineCore(
         tiny_loaded,
-        SchedulerConfig(max_model_len=512, max_num_batched_tokens=512, max_num_seqs=8),
+        SchedulerConfig(
+            max_model_len=512, max_num_batched_tokens=512, max_num_seqs=8, handover_step=handover_step
+        ),
         CacheConfig(block_size=16, num_blocks=64),
         connector,
     )
@@ -170,4 +208,92 @@ def test_abort_before_the_pull_starts_is_handled_after_the_step(tiny_loaded):
     late = [o for _, o in script.outputs if o.request_id == "late"]
     assert late and late[-1].finish_reason == "abort"
     assert connector.load_started_mid_step == {}
+    assert_idle_and_no_leak(core.scheduler)
+
+
+# ---------------------------------------------------------------------- joining the step in flight
+
+POLLS_PER_STEP = 3  # the four-layer model is polled before layers 1, 2 and 3
+
+
+def tokens_of(script: Script, request_id: str) -> list[int]:
+    return [t for _, o in script.outputs if o.request_id == request_id for t in o.new_token_ids]
+
+
+def run_remote_arriving_at(loaded, handover_step: str, poll: int, busy_tokens: int = 100):
+    """A busy local request, and a remote one arriving at mid-step poll ``poll`` (counted from
+    the first step) whose pull lands at once."""
+    core, connector, script = make_core(loaded, handover_step)
+    script.at_top = [[local_request("busy", busy_tokens, 6)]]
+    script.mid_step = [[] for _ in range(poll)] + [[remote_request("remote", 40, 5)]]
+    connector.land_at_start = True
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+    assert_idle_and_no_leak(core.scheduler)
+    return core, script
+
+
+@pytest.mark.parametrize(
+    "poll, batch",
+    [(0, "a prefill chunk"), (2 * POLLS_PER_STEP, "decodes"), (2 * POLLS_PER_STEP + 1, "decodes")],
+)
+def test_landed_request_joins_the_step_in_flight_with_the_tokens_of_the_next_step(
+    four_layer_loaded, poll, batch
+):
+    """Joined at layer 1 or 2 of the step it landed in, the request's first decode token comes
+    with that step, not the next, and every token (its own and the busy request's) is the one
+    the ordinary next-step handover gives: the missed layers ran, with the right K/V."""
+    joined_core, joined = run_remote_arriving_at(four_layer_loaded, "joined", poll)
+    core, inflight = run_remote_arriving_at(four_layer_loaded, "inflight", poll)
+
+    arrival_step = poll // POLLS_PER_STEP
+    assert step_of_first_token(joined, "remote") == arrival_step + 1
+    assert step_of_first_token(inflight, "remote") == arrival_step
+    assert core.num_joined_in_flight == 1 and joined_core.num_joined_in_flight == 0
+    assert len(tokens_of(inflight, "remote")) == 5 and len(tokens_of(inflight, "busy")) == 6
+    assert tokens_of(inflight, "remote") == tokens_of(joined, "remote")
+    assert tokens_of(inflight, "busy") == tokens_of(joined, "busy")
+    events = {k for _, o in inflight.outputs if o.request_id == "remote" for k in (o.timeline or {})}
+    assert {"admitted", "load_done", "scheduled", "first_token", "finished"} <= events
+
+
+def test_a_step_past_half_its_layers_is_not_joined(four_layer_loaded):
+    """Landing before layer 3 of 4, the request waits for the next step: catching up three
+    layers alone would cost the running requests more than it saves."""
+    core, script = run_remote_arriving_at(four_layer_loaded, "inflight", 2 * POLLS_PER_STEP + 2)
+    assert core.num_joined_in_flight == 0
+    assert step_of_first_token(script, "remote") == 3
+
+
+def test_abort_of_a_request_that_joined_mid_step_frees_everything(four_layer_loaded):
+    core, connector, script = make_core(four_layer_loaded, "inflight")
+    script.at_top = [[local_request("busy", 30, 6)]]
+    # Arrives (and lands) before layer 1 of step 1, aborted before layer 2 of the same step.
+    script.mid_step = [[], [], [], [remote_request("remote", 40, 5)], [AbortRequests(["remote"])]]
+    connector.land_at_start = True
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+
+    assert core.num_joined_in_flight == 1
+    remote_outputs = [(step, o) for step, o in script.outputs if o.request_id == "remote"]
+    # Its token from the step it joined, then the abort handled right after that step.
+    assert [(step, len(o.new_token_ids), o.finish_reason) for step, o in remote_outputs] == [
+        (1, 1, None),
+        (1, 0, "abort"),
+    ]
+    assert len(tokens_of(script, "busy")) == 6
+    assert_idle_and_no_leak(core.scheduler)
+
+
+def test_a_failed_load_polled_mid_step_is_recomputed_after_the_step_not_joined(four_layer_loaded):
+    """Invalid blocks may roll back running requests, which only the step's end may do: the
+    failure polled mid-step is carried there, and the request recomputes its prompt."""
+    core, connector, script = make_core(four_layer_loaded, "inflight")
+    script.at_top = [[local_request("busy", 30, 6)]]
+    script.mid_step = [[], [], [], [remote_request("remote", 40, 5)]]
+    connector.land_at_start = True
+    connector.fail_loads = True
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+
+    assert core.num_joined_in_flight == 0
+    assert step_of_first_token(script, "remote") == 2  # recomputed in the next step
+    assert len(tokens_of(script, "remote")) == 5 and len(tokens_of(script, "busy")) == 6
     assert_idle_and_no_leak(core.scheduler)

@@ -16,7 +16,7 @@ from typing import Any
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.model.loader import LoadedModel
-from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
+from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdserve.engine.request import Request, RequestStatus, SamplingParams, validate_prompt
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
@@ -35,6 +35,11 @@ IDLE_WAKEUP_S = 0.5
 # decode step; every 4 layers was 10 ms on average under load) instead of at the next step.
 # A look is one non-blocking socket poll (~10 us).
 LAYERS_PER_INPUT_POLL = 1
+# With handover_step="inflight", a request whose KV has landed joins the step in flight only
+# while at most this share of the decoder layers has run: its missed layers run alone first,
+# and a one-row layer costs about 2/3 of a batch layer here (the weights dominate), so a late
+# join would cost the running requests more than the next step costs the joining one.
+INFLIGHT_JOIN_MAX_LAYER_FRACTION = 0.5
 
 
 @dataclass
@@ -76,6 +81,13 @@ class EngineCore:
         self.last_step_num_tokens = 0
         self._stepping = False  # inside step(): inputs other than new requests wait for its end
         self._deferred_inputs: list[Any] = []  # taken in mid-step, handled after the step
+        self._step_output: SchedulerOutput | None = None  # the step in flight
+        # Transfers polled mid-step that the step's end must handle (a failed load among them):
+        # (finished_sending, finished_recving, invalid_block_ids), merged into the next update.
+        self._carried_transfers: tuple[set[str], set[str], set[int]] | None = None
+        self.joins_in_flight = scheduler_config.handover_step == "inflight" and connector is not None
+        self._max_join_layer = int(self.runner.num_layers * INFLIGHT_JOIN_MAX_LAYER_FRACTION)
+        self.num_joined_in_flight = 0  # requests that joined a step in flight (a counter)
 
     # ------------------------------------------------------------------ inputs
 
@@ -132,12 +144,48 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        self._step_output = scheduler_output
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:  # one bad batch must not take the engine (and every request) down
+            # (Requests that joined the step mid-pass are in num_scheduled_tokens too.)
             return self._fail_step(list(scheduler_output.num_scheduled_tokens), exc)
+        finally:
+            self._step_output = None
+        if self._carried_transfers is not None:
+            self._merge_carried_transfers(runner_output)
         per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
         return [output for outs in per_client.values() for output in outs.outputs]
+
+    def _merge_carried_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        assert self._carried_transfers is not None
+        sending, recving, invalid = self._carried_transfers
+        self._carried_transfers = None
+        runner_output.finished_sending = (runner_output.finished_sending or set()) | sending or None
+        runner_output.finished_recving = (runner_output.finished_recving or set()) | recving or None
+        runner_output.invalid_block_ids = (runner_output.invalid_block_ids or set()) | invalid or None
+
+    def _join_landed_requests(self) -> None:
+        """Mid-step: take the transfers that finished, and let landed requests join the step.
+
+        A failed load (invalid blocks) may roll back running requests, which only the step's
+        end can do: then everything polled is carried to it and nothing joins this step.
+        """
+        assert self.connector is not None and self._step_output is not None
+        if self._carried_transfers is not None:
+            return
+        sending, recving = self.connector.get_finished(set())
+        invalid = self.connector.get_invalid_block_ids()
+        if invalid:
+            self._carried_transfers = (sending or set(), recving or set(), invalid)
+            return
+        if sending or recving:
+            self.scheduler.update_from_kv_transfers(sending, recving)
+        joined = self.scheduler.join_landed(self._step_output)
+        if joined:
+            self.runner.join_decodes(joined)
+            self.num_joined_in_flight += len(joined)
+            logger.debug("joined the step in flight: %s", [new.req_id for new in joined])
 
     def _fail_step(self, request_ids: list[str], exc: Exception) -> list[EngineCoreOutput]:
         logger.exception("model step failed; failing its %d requests: %s", len(request_ids), request_ids)
@@ -173,7 +221,7 @@ class EngineCore:
         """
         remove_hook = (
             self.runner.call_between_layers(
-                lambda: self._take_inputs_mid_step(receive, emit), LAYERS_PER_INPUT_POLL
+                lambda layer_index: self._between_layers(receive, emit, layer_index), LAYERS_PER_INPUT_POLL
             )
             if self.connector is not None
             else None
@@ -212,11 +260,21 @@ class EngineCore:
             if self.last_step_num_tokens == 0 and self.scheduler.has_requests():
                 time.sleep(CONNECTOR_POLL_INTERVAL_S)  # only transfers in flight: don't spin
 
-    def _take_inputs_mid_step(
-        self, receive: Callable[[float | None], list[Any]], emit: Callable[[list[EngineCoreOutput]], None]
+    def _between_layers(
+        self,
+        receive: Callable[[float | None], list[Any]],
+        emit: Callable[[list[EngineCoreOutput]], None],
+        layer_index: int,
     ) -> None:
         if not self._stepping:
             return  # a forward outside the busy loop's step (warm-up): nothing to take
+        self._take_inputs_mid_step(receive, emit)
+        if self.joins_in_flight and layer_index <= self._max_join_layer:
+            self._join_landed_requests()
+
+    def _take_inputs_mid_step(
+        self, receive: Callable[[float | None], list[Any]], emit: Callable[[list[EngineCoreOutput]], None]
+    ) -> None:
         added = False
         for item in receive(0.0):
             if isinstance(item, EngineCoreRequest):

@@ -4,6 +4,11 @@ It only executes: what to run was decided by the scheduler. It keeps a mirror of
 request's tokens and block table (updated from the scheduler's deltas), flattens the step's
 tokens with decodes first, builds the paged-attention metadata, runs the model, and samples
 one token for every request whose known tokens are now all computed.
+
+It drives the decoder layers itself rather than calling the model's ``forward``: between two
+layers it lets the engine core look at its input (``call_between_layers``), and a decode request
+whose KV has just landed can join the pass in flight there (``join_decodes``): its row runs the
+layers it missed alone, then continues with the batch.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.model.llama import LlamaForCausalLM
-from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.sampler import SamplingState, sample
 
 logger = logging.getLogger(__name__)
@@ -48,6 +53,18 @@ class _Segment:
         return self.start + self.num_tokens
 
 
+@dataclass
+class _Pass:
+    """A forward pass in flight: its segments (decodes first) and the next layer's input."""
+
+    segments: list[_Segment]
+    num_decodes: int
+    hidden: torch.Tensor  # [num_tokens, hidden]
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin_signed: torch.Tensor
+    meta: AttentionMetadata
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -68,27 +85,50 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_cache)
         self.vocab_size = model.config.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
+        self._between_layers: Callable[[int], None] | None = None
+        self._poll_layers: frozenset[int] = frozenset()
+        self._pass: _Pass | None = None  # the forward pass in flight
+        self._joining: list[str] = []  # requests that join it at the next layer
 
-    def call_between_layers(self, callback: Callable[[], None], every: int) -> Callable[[], None]:
-        """Call ``callback`` before every ``every``-th decoder layer of each forward pass.
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    def call_between_layers(self, callback: Callable[[int], None], every: int) -> Callable[[], None]:
+        """Call ``callback(layer_index)`` before every ``every``-th decoder layer of each pass.
 
         The engine core uses it to take in new requests while a long step runs, so that a
-        decode request's KV pull starts mid-step (see ``Scheduler.admit_remote_loads``). The
-        callback runs on the engine thread, between two layers: it must not touch the tensors
-        of the step in flight. Returns a function that removes the callback again.
+        decode request's KV pull starts mid-step (see ``Scheduler.admit_remote_loads``), and to
+        let requests whose KV has landed join the pass (``join_decodes``). The callback runs on
+        the engine thread, between two layers: it must not touch the tensors of the step in
+        flight. Returns a function that removes the callback again.
         """
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if layers is None:
-            return lambda: None
+        num_layers = self.num_layers
         # Every ``every``-th layer after the first; a shallow model still gets one call mid-pass.
-        chosen = list(layers)[every::every] or list(layers)[len(layers) // 2 :][:1]
-        handles = [layer.register_forward_pre_hook(lambda module, args: callback()) for layer in chosen]
+        chosen = list(range(every, num_layers, every)) or [num_layers // 2]
+        self._between_layers = callback
+        self._poll_layers = frozenset(chosen)
 
         def remove() -> None:
-            for handle in handles:
-                handle.remove()
+            self._between_layers = None
+            self._poll_layers = frozenset()
 
         return remove
+
+    def join_decodes(self, new_requests: list[NewRequestData]) -> None:
+        """Add one-token decodes to the forward pass in flight, from the between-layers callback.
+
+        Each joining row first runs, alone, the layers the pass has already done (writing its
+        K/V for them), then continues with the batch from the next layer and is sampled with
+        it. The scheduler has already added the requests to the step's ``SchedulerOutput``.
+        """
+        if self._pass is None:
+            raise RuntimeError("join_decodes() called outside a forward pass")
+        for new in new_requests:
+            if new.num_computed_tokens + 1 != len(new.prompt_token_ids) + len(new.output_token_ids):
+                raise ValueError(f"{new.req_id}: only a request with one token left to compute can join")
+            self._add_request_state(new)
+            self._joining.append(new.req_id)
 
     # ------------------------------------------------------------------ state mirror
 
@@ -96,19 +136,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling=SamplingState.create(
-                    new.sampling_params,
-                    new.eos_token_id,
-                    list(new.prompt_token_ids),
-                    list(new.output_token_ids),
-                    self.vocab_size,
-                ),
-            )
+            self._add_request_state(new)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -117,6 +145,21 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def _add_request_state(self, new: NewRequestData) -> None:
+        self.requests[new.req_id] = CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            sampling=SamplingState.create(
+                new.sampling_params,
+                new.eos_token_id,
+                list(new.prompt_token_ids),
+                list(new.output_token_ids),
+                self.vocab_size,
+            ),
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -146,6 +189,7 @@ class ModelRunner:
         return output
 
     def _forward_and_sample(self, num_scheduled_tokens: dict[str, int]) -> tuple[list[str], list[list[int]]]:
+        req_ids = list(num_scheduled_tokens)  # before any request joins the pass
         segments = [
             _Segment(self.requests[req_id], self.requests[req_id].num_computed_tokens, n)
             for req_id, n in num_scheduled_tokens.items()
@@ -153,10 +197,14 @@ class ModelRunner:
         # Decodes (single-token segments) first: the attention op batches them in one call.
         segments.sort(key=lambda seg: seg.num_tokens != 1)
         num_decodes = sum(1 for seg in segments if seg.num_tokens == 1)
-        input_ids, positions, slot_mapping = self._flatten(segments)
-        meta = self._attention_metadata(segments, num_decodes, slot_mapping)
-
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        self._pass = self._start_pass(segments, num_decodes)
+        try:
+            hidden = self._run_layers(self._pass)
+            segments = self._pass.segments
+            scheduled = set(req_ids)
+            req_ids += [seg.state.req_id for seg in segments if seg.state.req_id not in scheduled]
+        finally:
+            self._pass, self._joining = None, []
 
         # Sample only where every known token is now computed (not mid-prefill).
         sample_rows: list[int] = []
@@ -175,8 +223,52 @@ class ModelRunner:
             for seg, token in zip(sampling_segments, tokens, strict=True):
                 seg.state.token_ids.append(token)
                 new_tokens[seg.state.req_id] = [token]
-        req_ids = list(num_scheduled_tokens)
         return req_ids, [new_tokens.get(req_id, []) for req_id in req_ids]
+
+    def _start_pass(self, segments: list[_Segment], num_decodes: int) -> _Pass:
+        input_ids, positions, slot_mapping = self._flatten(segments)
+        meta = self._attention_metadata(segments, num_decodes, slot_mapping)
+        hidden, cos, sin_signed = self.model.embed(input_ids, positions)
+        return _Pass(segments, num_decodes, hidden, cos, sin_signed, meta)
+
+    def _run_layers(self, fwd: _Pass) -> torch.Tensor:
+        """Every decoder layer over the pass, polling in between; the final-normed hidden."""
+        layers = self.model.model.layers
+        for index, layer in enumerate(layers):
+            if self._between_layers is not None and index in self._poll_layers:
+                self._between_layers(index)
+                if self._joining:
+                    self._merge_joining(fwd, index)
+            fwd.hidden = layer(fwd.hidden, fwd.cos, fwd.sin_signed, self.kv_cache[:, index], fwd.meta)
+        return self.model.model.norm(fwd.hidden)
+
+    def _merge_joining(self, fwd: _Pass, next_layer: int) -> None:
+        """Catch the joining rows up to ``next_layer`` alone, then splice them into the pass
+        right after its decodes (they are decodes too) with metadata for the larger batch."""
+        joins = [
+            _Segment(self.requests[req_id], self.requests[req_id].num_computed_tokens, 1)
+            for req_id in self._joining
+        ]
+        self._joining = []
+        caught_up = self._start_pass(joins, len(joins))
+        layers = self.model.model.layers
+        for index in range(next_layer):
+            caught_up.hidden = layers[index](
+                caught_up.hidden, caught_up.cos, caught_up.sin_signed, self.kv_cache[:, index], caught_up.meta
+            )
+        split = fwd.num_decodes
+
+        def spliced(batch: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            return torch.cat((batch[:split], rows, batch[split:]))
+
+        fwd.hidden = spliced(fwd.hidden, caught_up.hidden)
+        fwd.cos = spliced(fwd.cos, caught_up.cos)
+        fwd.sin_signed = spliced(fwd.sin_signed, caught_up.sin_signed)
+        fwd.segments = fwd.segments[:split] + joins + fwd.segments[split:]
+        fwd.num_decodes += len(joins)
+        fwd.meta = self._attention_metadata(
+            fwd.segments, fwd.num_decodes, spliced(fwd.meta.slot_mapping, caught_up.meta.slot_mapping)
+        )
 
     def _flatten(self, segments: list[_Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []

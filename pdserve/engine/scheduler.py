@@ -455,6 +455,55 @@ class Scheduler(SchedulerInterface):
         # Nothing is scheduled here: the connector only needs the loads queued above.
         return self.connector.build_connector_meta(None) if admitted else None  # type: ignore[arg-type]
 
+    def join_landed(self, scheduler_output: SchedulerOutput) -> list[NewRequestData]:
+        """Add requests whose remote KV has landed to the step in flight, as one-token decodes.
+
+        With ``handover_step="inflight"`` the engine core calls this between two decoder layers
+        (after ``update_from_kv_transfers``); the runner then runs each joining request's missed
+        layers alone and continues the batch with it (``ModelRunner.join_decodes``), so its
+        first decode token comes with this step instead of the next one. The request becomes
+        running exactly as ``schedule()`` would have made it in the next step, and is added to
+        ``scheduler_output`` so ``update_from_output`` takes its token. Nothing joins a step
+        that had to preempt, past a waiting request that is not waiting for remote KV (no
+        overtaking), beyond ``max_num_seqs`` or the token budget, or when a request needs more
+        than its last token computed (part of its KV failed to load: a prefill chunk, next step).
+        """
+        config = self.scheduler_config
+        if scheduler_output.preempted_req_ids:
+            return []
+        budget = config.max_num_batched_tokens - scheduler_output.total_num_scheduled_tokens
+        joined: list[NewRequestData] = []
+        for request in list(self.waiting):
+            if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                break
+            if budget <= 0 or len(self.running) >= config.max_num_seqs:
+                break
+            req_id = request.request_id
+            if req_id not in self.finished_recving_kv_req_ids:
+                continue
+            if self.pending_remote_tokens.get(req_id, 0) < request.num_tokens - 1:
+                continue
+            self._remote_kv_ready(request)
+            request.status = RequestStatus.WAITING  # as schedule() leaves it if blocks run out
+            if self.kv_cache_manager.allocate_slots(request, 1) is None:
+                break
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, block_ids, 0)
+            self.waiting.remove_requests([request])
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.mark("scheduled")
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            joined.append(NewRequestData.from_request(request, block_ids))
+            scheduler_output.scheduled_new_reqs.append(joined[-1])
+            scheduler_output.num_scheduled_tokens[req_id] = 1
+            scheduler_output.total_num_scheduled_tokens += 1
+            request.num_computed_tokens += 1  # as schedule() advances what it schedules
+            budget -= 1
+        return joined
+
     def _pick_preemption_victim(self) -> Request:
         if self.scheduler_config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -534,7 +583,9 @@ class Scheduler(SchedulerInterface):
                 new_running.append(request)
         self.running = new_running
 
-        self._update_from_kv_xfer_finished(model_runner_output)
+        self.update_from_kv_transfers(
+            model_runner_output.finished_sending, model_runner_output.finished_recving
+        )
         for client_index, output in self.pending_outputs:
             outputs[client_index].append(output)
         self.pending_outputs = []
@@ -544,8 +595,16 @@ class Scheduler(SchedulerInterface):
             next(iter(result.values())).scheduler_stats = self.make_stats()
         return result
 
-    def _update_from_kv_xfer_finished(self, output: ModelRunnerOutput) -> None:
-        for req_id in output.finished_recving or ():
+    def update_from_kv_transfers(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
+        """Transfers the connector reports done: landed loads become schedulable, and blocks
+        held for a transfer (an aborted load, a remote reader) are freed.
+
+        Called with each step's results, and by the engine core in the middle of a step
+        (before ``join_landed``): it touches no request of the step in flight.
+        """
+        for req_id in finished_recving or ():
             # Taken whatever became of the request, so the connector keeps nothing behind.
             events = self.connector.take_request_timeline(req_id) if self.connector is not None else {}
             request = self.requests.get(req_id)
@@ -558,7 +617,7 @@ class Scheduler(SchedulerInterface):
             else:
                 request.mark("load_done")
                 self.finished_recving_kv_req_ids.add(req_id)
-        for req_id in output.finished_sending or ():
+        for req_id in finished_sending or ():
             request = self.requests.get(req_id)
             if request is not None and request.is_finished():
                 self._free_blocks(request)

@@ -290,8 +290,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="joined",
         choices=list(HANDOVER_STEPS),
         help="decode: run requests whose KV just landed in the next batch step (joined, as vLLM), "
-        "or first in a small step of their own (separate: a faster second token, a slower next "
-        "token for the running requests)",
+        "first in a small step of their own (separate: a faster second token, a slower next "
+        "token for the running requests), or in the step in flight when it is at most half done "
+        "(inflight: the joining row runs its missed layers alone, then goes on with the batch)",
     )
     parser.add_argument(
         "--drain-timeout",

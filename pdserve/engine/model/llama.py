@@ -178,6 +178,20 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("rope_sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
 
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input ``[T, hidden]`` and the RoPE tables ``[T, 1, D]`` (cos,
+        signed sin) that every layer of the pass shares.
+
+        Apart from ``forward`` so the runner can drive the layers itself (and let a request
+        join a pass in flight, see ``ModelRunner.join_decodes``).
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
+        sin_signed = self.rope_sin_signed[positions].to(hidden.dtype).unsqueeze(1)
+        return hidden, cos, sin_signed
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -185,9 +199,7 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.model.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
-        sin_signed = self.rope_sin_signed[positions].to(hidden.dtype).unsqueeze(1)
+        hidden, cos, sin_signed = self.embed(input_ids, positions)
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, cos, sin_signed, kv_cache[:, i], attn_metadata)
         return self.model.norm(hidden)
