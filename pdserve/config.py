@@ -39,13 +39,13 @@ class SchedulerConfig:
     # What the scheduler does when a remote KV load fails: recompute the prompt locally, or
     # finish the request with FINISHED_ERROR.
     kv_load_failure_policy: str = "recompute"
-    # A request whose remote KV has just landed (a decode engine's handover): "joined" runs it
-    # in the next batch step with everyone (vLLM's behaviour); "separate" first runs a small
-    # step of the landed requests alone, so their first decode token costs a small step instead
-    # of a full batch step, and the running requests wait that small step; "inflight" (engine
-    # core with a connector) lets it join the step in flight between two decoder layers, when
-    # that step is at most half done. See Scheduler and EngineCore.
-    handover_step: str = "joined"
+    # A request whose remote KV has just landed (a decode engine's handover): "inflight" (the
+    # default) lets it join the step in flight between two decoder layers while that step is
+    # at most half done, its missed layers run alone first (engine core with a connector);
+    # "joined" runs it in the next batch step with everyone (vLLM's behaviour); "separate"
+    # first runs a small step of the landed requests alone, which every running request then
+    # waits. See Scheduler and EngineCore.
+    handover_step: str = "inflight"
 
     def __post_init__(self) -> None:
         _require_positive(

@@ -52,6 +52,7 @@ def test_every_phase_reports_and_every_request_succeeds(bench_run):
     assert c1["ttft_ratio"] == pytest.approx(c1["ttft_pd_p50_ms"] / c1["ttft_colocated_p50_ms"])
     assert load["handover_p50_ms"] > 0 and load["decode_step_p50_ms"] > 0
     assert load["itl_p99_ms"] >= load["decode_step_p50_ms"] and load["itl_mean_ms"] > 0
+    assert 0 <= load["joined_in_flight"] <= load["requests"]
     assert os.path.getsize(plot_path) > 0
 
 

@@ -253,7 +253,7 @@ def test_landed_request_joins_the_step_in_flight_with_the_tokens_of_the_next_ste
     assert tokens_of(inflight, "remote") == tokens_of(joined, "remote")
     assert tokens_of(inflight, "busy") == tokens_of(joined, "busy")
     events = {k for _, o in inflight.outputs if o.request_id == "remote" for k in (o.timeline or {})}
-    assert {"admitted", "load_done", "scheduled", "first_token", "finished"} <= events
+    assert {"admitted", "load_done", "scheduled", "joined_in_flight", "first_token", "finished"} <= events
 
 
 def test_a_step_past_half_its_layers_is_not_joined(four_layer_loaded):

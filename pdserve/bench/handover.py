@@ -275,6 +275,8 @@ def summarize(
             "decode_step_p50_ms": step,
             "pull_p50_ms": pull,
             "handover_in_steps": handover / step,
+            # With --handover-step inflight: handovers whose request joined the step in flight.
+            "joined_in_flight": sum(1 for t in done if "decode.joined_in_flight" in t.timeline_ms),
             # What the running requests pay for the handovers (a separate handover step delays
             # their next token once): inter-token gaps after the second token.
             "itl_mean_ms": statistics.fmean(gaps),

@@ -40,13 +40,24 @@ Life cycle of a disaggregated request on a decode engine:
    the result (``KVTransport.poll()``). ``TransferWorker._finish()`` records ``pull_end``, and
    ``TransferWorker._release_and_confirm()`` tells prefill to free its blocks: ``released: 1``
    confirms that the data read is valid (event ``released``).
-6. The next step's ``PDConnector.get_finished()`` reports the load in ``finished_recving``.
-   ``Scheduler._update_from_kv_xfer_finished()`` marks ``load_done``, and
+6. The next step's ``PDConnector.get_finished()`` reports the load in ``finished_recving``
+   (with ``--handover-step inflight``, also polled between decoder layers: see below).
+   ``Scheduler.update_from_kv_transfers()`` marks ``load_done``, and
    ``Scheduler._remote_kv_ready()`` caches the landed blocks and sets ``num_computed_tokens`` to
    the prompt length. Only the first token is computed; its logits give the next token (events
    ``scheduled``, ``first_token``).
 7. Decoding goes on like on any engine, and each token streams back to the router. When the
    request finishes, its blocks are freed at once (a consumer holds no lease).
+
+With ``--handover-step inflight`` the landed request need not wait for the next step: while
+at most half of the step's layers have run, ``EngineCore._join_landed_requests()`` (from the
+between-layers callback) polls ``PDConnector.get_finished()``, hands the result to
+``Scheduler.update_from_kv_transfers()``, and ``Scheduler.join_landed()`` makes the request
+running and adds it to the step's ``SchedulerOutput`` as a one-token decode.
+``ModelRunner.join_decodes()`` then runs that row through the layers the step has already done,
+alone, and splices it into the batch for the rest (``ModelRunner._merge_joining()``): its token
+comes with the step in flight. A failed load polled mid-step is carried to the step's end
+instead (it may roll back running requests, which only the step's end may do).
 
 Other paths:
 - **Pull failure** (peer gone, handshake refused, deadline, release not confirmed):

@@ -30,7 +30,9 @@ differs on purpose:
   length first): a request whose last allowed token is EOS finishes "stop", not "length".
 - Invalid blocks of a request that already finished and is held for a remote reader (a prefill
   engine's lease) are only taken out of the prefix cache; the reader's own validation decides.
-- ``handover_step="separate"`` (opt-in; the default ``"joined"`` is vLLM's behaviour): requests
+- ``handover_step="joined"`` is vLLM's behaviour: a request whose remote KV has landed runs in
+  the next batch step.
+- ``handover_step="separate"`` (opt-in): requests
   whose remote KV has landed run in a step of their own before the next batch step, at most one
   such step in ``HANDOVER_STEP_MIN_GAP``. Joined, a landed request's second token waits the rest
   of the step in flight plus a whole batch step; separate, the rest of the step plus a small
@@ -38,6 +40,11 @@ differs on purpose:
   step costs ~2/3 of a batch step (weights dominate), so it is a trade, not a free win:
   measured in ``bench handover`` (README), the handover p50 fell 14-34% and the running
   requests' mean inter-token gap rose 10-16%.
+- ``handover_step="inflight"`` (the default) does not wait for a step boundary: between two decoder
+  layers of a step (while at most half of them have run) the engine core lets a request whose
+  KV has landed join that very step (``join_landed``); the runner first runs the layers it
+  missed for that row alone. Its second token then costs the rest of the step in flight plus
+  a fraction of a small step, and the running requests wait only that fraction, once.
 """
 
 from __future__ import annotations
@@ -494,6 +501,7 @@ class Scheduler(SchedulerInterface):
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.mark("scheduled")
+            request.mark("joined_in_flight")
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             joined.append(NewRequestData.from_request(request, block_ids))

@@ -287,12 +287,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     parser.add_argument(
         "--handover-step",
-        default="joined",
+        default="inflight",
         choices=list(HANDOVER_STEPS),
-        help="decode: run requests whose KV just landed in the next batch step (joined, as vLLM), "
-        "first in a small step of their own (separate: a faster second token, a slower next "
-        "token for the running requests), or in the step in flight when it is at most half done "
-        "(inflight: the joining row runs its missed layers alone, then goes on with the batch)",
+        help="decode: run a request whose KV just landed in the step in flight when that step is "
+        "at most half done (inflight, the default: its row runs the missed layers alone, then "
+        "goes on with the batch), in the next batch step (joined, as vLLM), or first in a small "
+        "step of its own (separate: a faster second token, a slower next token for the running "
+        "requests)",
     )
     parser.add_argument(
         "--drain-timeout",

@@ -38,7 +38,7 @@ Life cycle of a request on a prefill engine:
    - after the read, ``PDConnector._on_release()`` ends it (``LeaseTable.release()``). The
      reply (``released: 1``) is how decode knows its read is valid.
 7. The next ``PDConnector.get_finished()`` returns the id in ``finished_sending``
-   (``LeaseTable.take_done()``), and ``Scheduler._update_from_kv_xfer_finished()`` frees the
+   (``LeaseTable.take_done()``), and ``Scheduler.update_from_kv_transfers()`` frees the
    blocks. They stay in the prefix cache for the next prompt that shares them.
 
 What ends a lease otherwise:
