@@ -112,14 +112,16 @@ def four_layer_loaded(tmp_path_factory):
     return load_model(write_tiny_model(str(tmp_path_factory.mktemp("tiny-4-layers")), seed=3, num_layers=4))
 
 
-def make_core(tiny_loaded, handover_step: str = "joined") -> tuple[EngineCore, WorkerFakeConnector, Script]:
+def make_core(
+    tiny_loaded, handover_step: str = "joined", num_blocks: int = 64
+) -> tuple[EngineCore, WorkerFakeConnector, Script]:
     connector = WorkerFakeConnector()
     core = EngineCore(
         tiny_loaded,
         SchedulerConfig(
             max_model_len=512, max_num_batched_tokens=512, max_num_seqs=8, handover_step=handover_step
         ),
-        CacheConfig(block_size=16, num_blocks=64),
+        CacheConfig(block_size=16, num_blocks=num_blocks),
         connector,
     )
     connector.core = core
@@ -295,5 +297,47 @@ def test_a_failed_load_polled_mid_step_is_recomputed_after_the_step_not_joined(f
 
     assert core.num_joined_in_flight == 0
     assert step_of_first_token(script, "remote") == 2  # recomputed in the next step
+    assert len(tokens_of(script, "remote")) == 5 and len(tokens_of(script, "busy")) == 6
+    assert_idle_and_no_leak(core.scheduler)
+
+
+def test_a_step_that_fails_after_a_failed_load_was_polled_handles_that_load_at_once(four_layer_loaded):
+    """The carried failed load is applied with the failed step, not a step later (by then the
+    connector has forgotten the load, and an abort could free blocks it would invalidate)."""
+    core, connector, script = make_core(four_layer_loaded, "inflight")
+    script.at_top = [[local_request("busy", 30, 6)]]
+    script.mid_step = [[], [], [], [remote_request("remote", 40, 5)]]  # step 1, before layer 1
+    connector.land_at_start = True
+    connector.fail_loads = True
+    last_layer = core.runner.model.model.layers[3]
+    forward = last_layer.forward
+    carried_after_step: list[bool] = []
+
+    def fails_in_step_1(*args: Any) -> Any:
+        if script.steps == 1:
+            raise RuntimeError("injected")
+        return forward(*args)
+
+    last_layer.forward = fails_in_step_1  # type: ignore[method-assign]
+    script.on_step_end.append(lambda step: carried_after_step.append(core._carried_transfers is not None))
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+
+    assert carried_after_step[1] is False
+    assert [o.finish_reason for _, o in script.outputs if o.request_id == "busy"][-1] == "error"
+    assert len(tokens_of(script, "remote")) == 5  # recomputed after the failed step
+    assert_idle_and_no_leak(core.scheduler)
+
+
+def test_no_join_takes_the_block_a_running_request_needs_next(four_layer_loaded):
+    """11 blocks: busy holds 7, the remote prompt 3; joining would take the last free one (for
+    the first decode token at position 40), leaving none for busy's next token."""
+    core, connector, script = make_core(four_layer_loaded, "inflight", num_blocks=11)
+    script.at_top = [[local_request("busy", 100, 6)]]
+    script.mid_step = [[], [], [], [remote_request("remote", 40, 5)]]
+    connector.land_at_start = True
+    core.run_busy_loop(script.receive, script.emit, script.should_stop)
+
+    assert core.num_joined_in_flight == 0
+    assert core.scheduler.num_preemptions == 0
     assert len(tokens_of(script, "remote")) == 5 and len(tokens_of(script, "busy")) == 6
     assert_idle_and_no_leak(core.scheduler)

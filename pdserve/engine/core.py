@@ -149,7 +149,16 @@ class EngineCore:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as exc:  # one bad batch must not take the engine (and every request) down
             # (Requests that joined the step mid-pass are in num_scheduled_tokens too.)
-            return self._fail_step(list(scheduler_output.num_scheduled_tokens), exc)
+            failed = self._fail_step(list(scheduler_output.num_scheduled_tokens), exc)
+            if self._carried_transfers is None:
+                return failed
+            # Transfers polled mid-step are handled now, not a step later: the connector has
+            # forgotten those loads, so an abort meanwhile would free blocks that a carried
+            # failed load would then invalidate under their next owner.
+            runner_output = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            self._merge_carried_transfers(runner_output)
+            per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+            return failed + [output for outs in per_client.values() for output in outs.outputs]
         finally:
             self._step_output = None
         if self._carried_transfers is not None:

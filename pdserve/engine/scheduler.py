@@ -473,10 +473,11 @@ class Scheduler(SchedulerInterface):
         ``scheduler_output`` so ``update_from_output`` takes its token. Nothing joins a step
         that had to preempt, past a waiting request that is not waiting for remote KV (no
         overtaking), beyond ``max_num_seqs`` or the token budget, or when a request needs more
-        than its last token computed (part of its KV failed to load: a prefill chunk, next step).
+        than its last token computed (part of its KV failed to load: a prefill chunk, next step),
+        nor when fewer blocks are free than requests run (each may need one for its next token).
         """
         config = self.scheduler_config
-        if scheduler_output.preempted_req_ids:
+        if scheduler_output.preempted_req_ids or not self.finished_recving_kv_req_ids:
             return []
         budget = config.max_num_batched_tokens - scheduler_output.total_num_scheduled_tokens
         joined: list[NewRequestData] = []
@@ -489,7 +490,11 @@ class Scheduler(SchedulerInterface):
             if req_id not in self.finished_recving_kv_req_ids:
                 continue
             if self.pending_remote_tokens.get(req_id, 0) < request.num_tokens - 1:
-                continue
+                break  # schedule() admits it first (as a prefill chunk): nobody overtakes it
+            if self.kv_cache_manager.num_free_blocks <= len(self.running):
+                # Keep a block for each running request's next token: a join must not make the
+                # next step preempt (its victim would be the joined request, recomputing).
+                break
             self._remote_kv_ready(request)
             request.status = RequestStatus.WAITING  # as schedule() leaves it if blocks run out
             if self.kv_cache_manager.allocate_slots(request, 1) is None:
