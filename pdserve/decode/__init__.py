@@ -17,8 +17,9 @@ Life cycle of a disaggregated request on a decode engine:
 3. Admission: the request gets its blocks and its pull starts without waiting for a step
    boundary.
    - *Mid-step.* If a step is running, ``EngineCore.run_busy_loop()`` (``pdserve/engine/core.py``)
-     takes the request in between decoder layers. The hook is ``ModelRunner.call_between_layers()``
-     -> ``EngineCore._take_inputs_mid_step()``. Then ``EngineCore.admit_remote_loads()`` ->
+     takes the request in between decoder layers: the runner's layer loop calls back
+     (``ModelRunner.call_between_layers()`` -> ``EngineCore._between_layers()`` ->
+     ``EngineCore._take_inputs_mid_step()``). Then ``EngineCore.admit_remote_loads()`` ->
      ``Scheduler.admit_remote_loads()`` (``pdserve/engine/scheduler.py``):
      - ``PDConnector.get_num_new_matched_tokens()`` counts the prompt tokens to pull: those
        beyond the local prefix-cache hit, never the last one;
