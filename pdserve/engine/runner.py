@@ -233,14 +233,17 @@ class ModelRunner:
 
     def _run_layers(self, fwd: _Pass) -> torch.Tensor:
         """Every decoder layer over the pass, polling in between; the final-normed hidden."""
-        layers = self.model.model.layers
-        for index, layer in enumerate(layers):
+        for index in range(self.num_layers):
             if self._between_layers is not None and index in self._poll_layers:
                 self._between_layers(index)
                 if self._joining:
                     self._merge_joining(fwd, index)
-            fwd.hidden = layer(fwd.hidden, fwd.cos, fwd.sin_signed, self.kv_cache[:, index], fwd.meta)
+            self._run_layer(fwd, index)
         return self.model.model.norm(fwd.hidden)
+
+    def _run_layer(self, fwd: _Pass, index: int) -> None:
+        layer = self.model.model.layers[index]
+        fwd.hidden = layer(fwd.hidden, fwd.cos, fwd.sin_signed, self.kv_cache[:, index], fwd.meta)
 
     def _merge_joining(self, fwd: _Pass, next_layer: int) -> None:
         """Catch the joining rows up to ``next_layer`` alone, then splice them into the pass
@@ -251,11 +254,8 @@ class ModelRunner:
         ]
         self._joining = []
         caught_up = self._start_pass(joins, len(joins))
-        layers = self.model.model.layers
         for index in range(next_layer):
-            caught_up.hidden = layers[index](
-                caught_up.hidden, caught_up.cos, caught_up.sin_signed, self.kv_cache[:, index], caught_up.meta
-            )
+            self._run_layer(caught_up, index)
         split = fwd.num_decodes
 
         def spliced(batch: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -401,18 +401,13 @@ class Scheduler(SchedulerInterface):
                 skipped.add_request(request)
                 continue
 
-            self.running.append(request)
+            self._start_running(request, num_computed_tokens)
             step.scheduled_new.append(request)
             step.req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
                 request.request_id
             )
             step.num_scheduled_tokens[request.request_id] = num_new_tokens
             step.token_budget -= num_new_tokens
-            request.status = RequestStatus.RUNNING
-            request.mark("scheduled")
-            request.num_computed_tokens = num_computed_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed_tokens
 
         if skipped:
             self.waiting.prepend_requests(skipped)
@@ -479,12 +474,14 @@ class Scheduler(SchedulerInterface):
         config = self.scheduler_config
         if scheduler_output.preempted_req_ids or not self.finished_recving_kv_req_ids:
             return []
-        budget = config.max_num_batched_tokens - scheduler_output.total_num_scheduled_tokens
         joined: list[NewRequestData] = []
         for request in list(self.waiting):
             if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 break
-            if budget <= 0 or len(self.running) >= config.max_num_seqs:
+            if (
+                scheduler_output.total_num_scheduled_tokens >= config.max_num_batched_tokens
+                or len(self.running) >= config.max_num_seqs
+            ):
                 break
             req_id = request.request_id
             if req_id not in self.finished_recving_kv_req_ids:
@@ -503,19 +500,23 @@ class Scheduler(SchedulerInterface):
             if self.connector is not None:
                 self.connector.update_state_after_alloc(request, block_ids, 0)
             self.waiting.remove_requests([request])
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.mark("scheduled")
+            self._start_running(request, request.num_computed_tokens)
             request.mark("joined_in_flight")
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = request.num_computed_tokens
             joined.append(NewRequestData.from_request(request, block_ids))
             scheduler_output.scheduled_new_reqs.append(joined[-1])
             scheduler_output.num_scheduled_tokens[req_id] = 1
             scheduler_output.total_num_scheduled_tokens += 1
             request.num_computed_tokens += 1  # as schedule() advances what it schedules
-            budget -= 1
         return joined
+
+    def _start_running(self, request: Request, num_computed_tokens: int) -> None:
+        """A waiting request admitted into a step (by ``schedule()`` or ``join_landed``)."""
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.mark("scheduled")
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
 
     def _pick_preemption_victim(self) -> Request:
         if self.scheduler_config.policy == "priority":
