@@ -25,6 +25,7 @@ import pytest
 from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSServer
 
+from pdserve import healthcheck
 from pdserve.client import Client
 from pdserve.router.discovery import EngineSource
 from pdserve.supervisor import SupervisedProcess, check_health, pick_free_ports, terminate_all, wait_healthy
@@ -193,6 +194,40 @@ def test_engine_sources_parse_static_and_dns_entries():
             EngineSource.parse("decode", bad)
 
 
+def test_a_router_reports_not_serving_from_its_first_answer_until_a_decode_engine_is_up(
+    tiny_model_dir, tmp_path
+):
+    """A readiness probe must never see a router that knows no engine as SERVING: grpcio's
+    health servicer starts out SERVING, so the status is set before the port opens (a probe in
+    the first instants used to pass, and clients got "no engine has come up yet")."""
+    port, http_port, dead_port = pick_free_ports("127.0.0.1", 3)
+    address = f"127.0.0.1:{port}"
+    router = SupervisedProcess(
+        "router",
+        [
+            sys.executable, "-m", "pdserve", "router", "--model", tiny_model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--http-port", str(http_port),
+            "--prefill", f"127.0.0.1:{dead_port}", "--decode", f"127.0.0.1:{dead_port}",
+        ],
+        tmp_path / "router.log",
+        address=address,
+    )  # fmt: skip
+    router.spawn()
+    try:
+        statuses: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(statuses) < 50:
+            assert router.alive, router.log_tail()
+            serving, status = healthcheck.check(address, timeout_s=1.0)
+            assert not serving, (statuses, router.log_tail())
+            if not status.startswith("UNAVAILABLE"):  # the port is open: count its answers
+                statuses.append(status)
+            time.sleep(0.01 if not statuses else 0.05)
+        assert statuses and set(statuses) == {"NOT_SERVING"}, statuses
+    finally:
+        terminate_all([router], grace_s=10.0)
+
+
 def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
     tiny_model_dir, tiny_llm, tmp_path
 ):
@@ -243,7 +278,7 @@ def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
             traffic.wait_for("prefill", prefill_repl, rolled, JOIN_WITHIN_S)
             time.sleep(1.0)
 
-        assert traffic.failures == [], traffic.failures[:5]
+        assert traffic.failures == [], (traffic.failures[:5], procs.logs())
         assert len(traffic.done) > 20
         assert joined_s < JOIN_WITHIN_S
         # After the old engines left, nothing was sent to them.

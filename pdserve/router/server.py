@@ -119,6 +119,10 @@ async def serve_router(args: argparse.Namespace) -> None:
         (ROUTER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
+    # grpcio's health servicer starts out SERVING for "": say NOT_SERVING before the port opens,
+    # or a readiness probe in the first instants sees a router that knows no engine yet.
+    for service in ("", ROUTER_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()
@@ -128,8 +132,6 @@ async def serve_router(args: argparse.Namespace) -> None:
             servicer, args.served_model_name or served_model_name(args.model), args.max_request_body_bytes
         )
         await http.start(args.host, args.http_port)
-    for service in ("", ROUTER_SERVICE):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     pool.start()
     # SERVING once at least one decode engine answers (a router with no engine serves nothing).
     loop = asyncio.get_running_loop()
