@@ -72,7 +72,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover", "throughput")
+BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover", "throughput", "peers")
 
 
 def _bench(what: str, rest: list[str]) -> int:
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
     )
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

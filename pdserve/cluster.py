@@ -7,6 +7,10 @@ foreground; Ctrl-C or SIGTERM stops every process (router first, then the engine
 SIGKILL after a grace period), and so does any child exiting on its own, which makes the command
 exit non-zero naming it.
 
+Each engine is pinned to its own share of the cores this command may use (``plan_engine_cpus``;
+``--prefill-cpus`` / ``--decode-cpus`` choose them, ``--no-cpu-placement`` turns it off), and
+runs as many torch threads as cores it is given (``pdserve.engine.cpu_resources``).
+
 The processes are run by ``pdserve.supervisor``: children never outlive the cluster (the kernel
 sends each SIGTERM when its parent goes away, and each engine front in turn takes its engine core
 down with it), and they get their own session, so a Ctrl-C in the terminal reaches only the
@@ -28,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from pdserve.config import KV_TRANSPORTS
+from pdserve.engine.cpu_resources import allowed_cpus, format_cpu_list, parse_cpu_list
 from pdserve.supervisor import (
     DEFAULT_GRACE_S,
     StartupStopped,
@@ -47,10 +52,70 @@ __all__ = [
     "check_health",
     "main",
     "pick_free_ports",
+    "plan_engine_cpus",
+    "split_cpus",
 ]
 
 ENGINE_ROLES = ("prefill", "decode")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+def split_cpus(cpus: Sequence[int], count: int) -> list[list[int]]:
+    """``count`` groups of ``cpus``: disjoint and as even as possible when there are enough
+    (the later groups get the extra ones), else one CPU each, shared round robin."""
+    ordered = list(cpus)
+    if count <= 0:
+        return []
+    if len(ordered) < count:
+        return [[ordered[i % len(ordered)]] for i in range(count)]
+    base, extra = divmod(len(ordered), count)
+    groups, start = [], 0
+    for i in range(count):
+        size = base + (1 if i >= count - extra else 0)
+        groups.append(ordered[start : start + size])
+        start += size
+    return groups
+
+
+def plan_engine_cpus(
+    available: Sequence[int],
+    num_prefill: int,
+    num_decode: int,
+    role_cpus: dict[str, Sequence[int]] | None = None,
+) -> dict[str, list[int]]:
+    """{engine name: the CPUs it is pinned to}.
+
+    Engines that share cores each run as many torch threads as cores they see, and fight: on 2
+    cores, a prefill and a decode engine with 2 threads each made a decode step 5-9x slower
+    under load than one thread each on a core of its own. So the engines split the cores this
+    process may use between them (decode engines, listed last, get the odd ones out), and a
+    role given its own CPUs (``role_cpus``, ``--prefill-cpus`` / ``--decode-cpus``) splits
+    those among its engines instead. The router stays unpinned: it is mostly idle.
+    """
+    role_cpus = role_cpus or {}
+    counts = {"prefill": num_prefill, "decode": num_decode}
+    unknown = set(role_cpus) - set(counts)
+    if unknown:
+        raise ValueError(f"cpus given for unknown roles {sorted(unknown)}")
+    for role, cpus in role_cpus.items():
+        outside = sorted(set(cpus) - set(available))
+        if outside:
+            raise ValueError(
+                f"--{role}-cpus names cpus {outside} this process may not use "
+                f"(it may use {format_cpu_list(list(available))})"
+            )
+    plan: dict[str, list[int]] = {}
+    for role, cpus in role_cpus.items():
+        for i, group in enumerate(split_cpus(cpus, counts[role])):
+            plan[f"{role}-{i}"] = group
+    rest = [role for role in ("prefill", "decode") if role not in role_cpus]
+    names = [f"{role}-{i}" for role in rest for i in range(counts[role])]
+    taken = {cpu for group in plan.values() for cpu in group}
+    free = [cpu for cpu in available if cpu not in taken] or list(available)
+    for name, group in zip(names, split_cpus(free, len(names)), strict=True):
+        plan[name] = group
+    return plan
+
 
 # A process of the cluster failed to start or died / start-up was interrupted by a stop request.
 ClusterError = SupervisorError
@@ -111,6 +176,8 @@ class LocalCluster:
         log_level: str = "INFO",
         env: dict[str, str] | None = None,
         cpus: dict[str, Sequence[int]] | None = None,
+        role_cpus: dict[str, Sequence[int]] | None = None,
+        place_cpus: bool = True,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
         progress: Callable[[str], None] | None = None,
@@ -129,9 +196,15 @@ class LocalCluster:
         self.policy = policy
         self.engine_args = list(engine_args)
         self.router_args = list(router_args)
-        # {process name: CPUs it is pinned to}, e.g. {"prefill-0": [0], "decode-0": [1]} (as
-        # bench serve pins engines); processes not named run anywhere.
-        self.cpus = dict(cpus or {})
+        # {process name: CPUs it is pinned to}, e.g. {"prefill-0": [0], "decode-0": [1]}; given
+        # explicitly (bench serve) or split between the engines (``plan_engine_cpus``); the
+        # router and unnamed processes run anywhere.
+        if cpus is not None:
+            self.cpus = {name: list(c) for name, c in cpus.items()}
+        elif place_cpus:
+            self.cpus = plan_engine_cpus(allowed_cpus(), num_prefill, num_decode, role_cpus or {})
+        else:
+            self.cpus = {}
         self.log_level = log_level
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
@@ -303,10 +376,11 @@ class LocalCluster:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def table(self) -> str:
-        rows = [("NAME", "ROLE", "GRPC", "METRICS", "PID")]
+        rows = [("NAME", "ROLE", "GRPC", "METRICS", "PID", "CPUS")]
         for p in self._ordered():
             metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else "-"
-            rows.append((p.name, p.role, p.address, metrics, str(p.pid)))
+            cpus = format_cpu_list(p.cpus) if p.cpus else "any"
+            rows.append((p.name, p.role, p.address, metrics, str(p.pid), cpus))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         return "\n".join(
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
@@ -349,6 +423,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL"
     )
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    parser.add_argument(
+        "--prefill-cpus",
+        type=parse_cpu_list,
+        default=None,
+        help='cpus the prefill engines split between them ("0", "0-3,6"; default: the engines '
+        "split every cpu this process may use)",
+    )
+    parser.add_argument(
+        "--decode-cpus", type=parse_cpu_list, default=None, help="cpus the decode engines split between them"
+    )
+    parser.add_argument(
+        "--no-cpu-placement",
+        action="store_true",
+        help="do not pin the engines: each sees every cpu (and runs as many threads)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -375,6 +464,12 @@ def main(args: argparse.Namespace) -> int:
             startup_timeout_s=args.startup_timeout,
             grace_s=args.grace,
             progress=say,
+            role_cpus={
+                role: cpus
+                for role, cpus in (("prefill", args.prefill_cpus), ("decode", args.decode_cpus))
+                if cpus is not None
+            },
+            place_cpus=not args.no_cpu_placement,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

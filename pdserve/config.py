@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -16,6 +17,15 @@ KV_ROLES = ("producer", "consumer", "both")
 KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl", "shm")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 HANDOVER_STEPS = ("joined", "separate", "inflight")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# Sets the default of ``--dtype`` / ``LLM(dtype=...)`` for every engine started from this
+# environment (a test suite that compares tokens across batch shapes pins float32 this way).
+DTYPE_ENV = "PDSERVE_DTYPE"
+
+
+def default_dtype() -> str:
+    """``$PDSERVE_DTYPE`` if set, else ``"auto"``."""
+    return os.environ.get(DTYPE_ENV, "").strip() or "auto"
 
 
 def _require_positive(**values: int) -> None:
@@ -105,11 +115,13 @@ class ModelConfig:
     """Which weights to load and in what dtype (``path=None``: the bundled SmolLM2-135M)."""
 
     path: str | None = None
-    dtype: str = "float32"
+    # "auto": bf16 where the CPU multiplies it natively, else fp32 (resolved by the process that
+    # loads the weights: ``pdserve.engine.cpu_resources.resolve_dtype``).
+    dtype: str = field(default_factory=default_dtype)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
 
 
 @dataclass
@@ -156,6 +168,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv_transfer: KVTransferConfig | None = None
+    threads: int = 0  # torch intra-op threads of the core; 0: from the CPUs it may use
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -169,4 +182,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**data["scheduler"]),
             cache=CacheConfig(**data["cache"]),
             kv_transfer=KVTransferConfig(**kv) if kv else None,
+            threads=int(data.get("threads", 0)),
         )

@@ -10,6 +10,7 @@ from typing import cast
 
 from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore, EngineCoreRequest
+from pdserve.engine.cpu_resources import resolve_dtype
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.outputs import Completion
 from pdserve.engine.request import SamplingParams
@@ -23,14 +24,15 @@ class LLM:
     """Load a model and generate with the full scheduler (batching, prefix cache, preemption).
 
     ``model=None`` is the bundled SmolLM2-135M-Instruct. Engine arguments are the fields of
-    ``SchedulerConfig`` and ``CacheConfig`` plus ``dtype``.
+    ``SchedulerConfig`` and ``CacheConfig`` plus ``dtype`` (default ``"auto"``: bf16 where the
+    CPU has native bf16, else fp32). Torch's threads are left as this process has them.
     """
 
     def __init__(
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str | None = None,
         max_model_len: int = 2048,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -41,7 +43,7 @@ class LLM:
         num_blocks: int = 1024,
         enable_prefix_caching: bool = True,
     ) -> None:
-        model_config = ModelConfig(path=model, dtype=dtype)
+        model_config = ModelConfig(path=model) if dtype is None else ModelConfig(path=model, dtype=dtype)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -53,9 +55,11 @@ class LLM:
         cache_config = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
         )
-        loaded = load_model(model_config.path, dtype=model_config.dtype)
+        # "auto" picks bf16 on a CPU with native bf16 ($PDSERVE_DTYPE changes the default).
+        self.dtype = resolve_dtype(model_config.dtype)
+        loaded = load_model(model_config.path, dtype=self.dtype)
         self.tokenizer = loaded.tokenizer
-        self.engine = EngineCore(loaded, scheduler_config, cache_config, kv_cache_dtype=dtype)
+        self.engine = EngineCore(loaded, scheduler_config, cache_config, kv_cache_dtype=self.dtype)
         self._ids = itertools.count()
 
     def generate(

@@ -34,6 +34,9 @@ CORE_MESSAGES = [
             num_blocks=8,
             block_size=16,
             connector={"engine_id": "p", "transport": "tcp"},
+            dtype="bfloat16",
+            torch_threads=1,
+            cpus="0-1",
         )
     ),
     messages.Outputs(

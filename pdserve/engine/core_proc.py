@@ -19,22 +19,25 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
+from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list, resolve_dtype
 from pdserve.engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("pdserve.core")
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
+    """The model loaded in the resolved dtype, its KV cache in the same dtype, the connector."""
     from pdserve.engine.model.loader import load_model
 
-    loaded = load_model(config.model.path, dtype=config.model.dtype)
+    dtype = resolve_dtype(config.model.dtype)
+    loaded = load_model(config.model.path, dtype=dtype)
     connector = None
     if config.kv_transfer is not None:
         from pdserve.connector.factory import create_connector
 
-        spec = loaded.arch.kv_cache_spec(config.cache.block_size, config.model.dtype)
+        spec = loaded.arch.kv_cache_spec(config.cache.block_size, dtype)
         connector = create_connector(config.kv_transfer, spec)
-    return EngineCore(loaded, config.scheduler, config.cache, connector, kv_cache_dtype=config.model.dtype)
+    return EngineCore(loaded, config.scheduler, config.cache, connector, kv_cache_dtype=dtype)
 
 
 class CoreServer:
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     try:
+        # Before any torch work: threads sized to this process's CPUs, not the machine's.
+        threads = configure_torch_threads(config.threads)
         core = build_engine_core(config)
         server = CoreServer(core, args.input, args.output)
         info = messages.CoreInfo(
@@ -137,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             num_blocks=config.cache.num_blocks,
             block_size=config.cache.block_size,
             connector=core.connector.describe() if core.connector is not None else None,
+            dtype=core.kv_cache_spec.dtype,
+            torch_threads=threads,
+            cpus=format_cpu_list(allowed_cpus()),
         )
         server.send(messages.Ready(info))
         logger.info("engine core ready (%s)", info)

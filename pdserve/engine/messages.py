@@ -81,6 +81,9 @@ class CoreInfo:
     num_blocks: int
     block_size: int
     connector: dict[str, Any] | None  # the connector's ``describe()``; None without one
+    dtype: str  # what the weights and KV cache are in ("auto" resolved)
+    torch_threads: int  # torch's intra-op threads in the core
+    cpus: str  # the core's affinity, as a cpu list ("0-3,6")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.linear import pack_linear_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.sampler import SamplingState, sample
@@ -75,6 +76,8 @@ class ModelRunner:
         device: str = "cpu",
     ) -> None:
         self.model = model
+        # Served, not trained or saved: the projections may run on weights packed for oneDNN.
+        pack_linear_weights(model)
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
         self.device = torch.device(device)

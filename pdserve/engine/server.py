@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import (
+    DTYPE_CHOICES,
     HANDOVER_STEPS,
     KV_TRANSPORTS,
     CacheConfig,
@@ -28,6 +29,7 @@ from pdserve.config import (
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
+    default_dtype,
 )
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
 from pdserve.engine.metrics import EngineMetrics
@@ -140,6 +142,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_blocks=info.num_blocks,
             engine_id=str(connector.get("engine_id", "")),
             kv_transport=str(connector.get("transport") or ""),
+            dtype=info.dtype,
+            torch_threads=info.torch_threads,
+            cpus=info.cpus,
         )
 
 
@@ -271,7 +276,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        choices=list(DTYPE_CHOICES),
+        help="auto (the default; $PDSERVE_DTYPE changes it): bfloat16 where the CPU has native bf16 "
+        "(AVX512-BF16, AMX, Arm BF16), else float32",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads of the engine core (default: $OMP_NUM_THREADS if set, else the CPUs the "
+        "process may use: its affinity and cgroup CPU quota, whichever is smaller)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -339,6 +357,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         kv_transfer=kv,
+        threads=args.threads,
     )
 
 

@@ -30,14 +30,50 @@ def reshape_and_cache_ref(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """Write each token's K and V into the cache slot ``slot_mapping[i]`` (skipping slots < 0)."""
-    block_size = kv_cache_layer.shape[2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    block_idx = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    block_off = slot_mapping % block_size
-    kv_cache_layer[block_idx, 0, block_off] = key.to(kv_cache_layer.dtype)
-    kv_cache_layer[block_idx, 1, block_off] = value.to(kv_cache_layer.dtype)
+    slots = _slot_indices(slot_mapping, kv_cache_layer.shape[2])
+    if slots.valid is not None:
+        key, value = key[slots.valid], value[slots.valid]
+    kv_cache_layer[slots.block_idx, 0, slots.block_off] = key.to(kv_cache_layer.dtype)
+    kv_cache_layer[slots.block_idx, 1, slots.block_off] = value.to(kv_cache_layer.dtype)
+
+
+@dataclass
+class _SlotIndices:
+    """Where a slot mapping's tokens go: the same for every layer of a forward pass."""
+
+    slot_mapping: torch.Tensor  # the mapping these were computed from (held: see _slot_indices)
+    block_size: int
+    valid: torch.Tensor | None  # [num_tokens] bool, None when no slot is padding
+    block_idx: torch.Tensor  # [num_valid] int64
+    block_off: torch.Tensor  # [num_valid] int64
+
+
+_last_slots = threading.local()  # .entry: a _SlotIndices
+
+
+def _slot_indices(slot_mapping: torch.Tensor, block_size: int) -> _SlotIndices:
+    """Block ids and offsets of a slot mapping, computed once per forward pass, not per layer.
+
+    Every layer of a pass gets the same ``slot_mapping`` tensor, so the last result is reused
+    while the mapping is that very object (the entry holds it, so its id cannot be recycled;
+    the runner builds a new mapping for every pass and never writes one in place). Saves four
+    small ops and a sync per layer: ~1.7 ms of a 35 ms one-token decode step of SmolLM2.
+    """
+    last: _SlotIndices | None = getattr(_last_slots, "entry", None)
+    if last is not None and last.slot_mapping is slot_mapping and last.block_size == block_size:
+        return last
+    valid_mask = slot_mapping >= 0
+    valid = None if bool(valid_mask.all()) else valid_mask
+    slots = slot_mapping if valid is None else slot_mapping[valid]
+    entry = _SlotIndices(
+        slot_mapping,
+        block_size,
+        valid,
+        torch.div(slots, block_size, rounding_mode="floor"),
+        slots % block_size,
+    )
+    _last_slots.entry = entry
+    return entry
 
 
 def _gather_context(

@@ -20,6 +20,7 @@ from torch import nn
 
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.linear import lm_head_logits
 
 
 def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
@@ -63,10 +64,10 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # One fused op, bit-identical to the float32 formula below.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Rounding before the scale is what HF does in half precision; keep it to match greedy output.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Rounding before the scale is what HF does in half precision; keep it to match greedy
+        # output. The fp32 part is the fused op above (one call instead of five per norm).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -165,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
+        # The LM head in oneDNN's layout, set by ``linear.pack_linear_weights`` for serving.
+        self.packed_lm_head: torch.Tensor | None = None
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -206,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return lm_head_logits(hidden, weight, self.packed_lm_head).float()
 
 
 # HF parameter suffixes fused into one of ours: {fused suffix: HF suffixes in concatenation order}
