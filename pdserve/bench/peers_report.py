@@ -1,0 +1,267 @@
+"""What ``pdserve bench peers`` makes of ``vllm bench serve``'s result files: one row per setup,
+load point and repeat, each peer's ratio to vLLM in the same repeat, the spread over repeats, the
+tables and the plot.
+
+Kept apart from the driver (``pdserve.bench.peers``) so the arithmetic is testable on a result
+file without starting a server.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+BASELINE = "vllm"
+# {row key: key of `vllm bench serve --save-result` JSON}; the p90 keys exist because the client
+# is run with --metric-percentiles 50,90,99 (its median_* keys are there whatever it is given).
+RESULT_KEYS = {
+    "completed": "completed",
+    "failed": "failed",
+    "duration_s": "duration",
+    "ttft_ms_p50": "median_ttft_ms",
+    "ttft_ms_p90": "p90_ttft_ms",
+    "itl_ms_p50": "median_itl_ms",
+    "itl_ms_p90": "p90_itl_ms",
+    "tpot_ms_p50": "median_tpot_ms",
+    "e2el_ms_p50": "median_e2el_ms",
+    "out_tok_per_s": "output_throughput",
+    "req_per_s": "request_throughput",
+    "max_concurrent_requests": "max_concurrent_requests",
+}
+ROW_KEYS = ("setup", "repeat", "load", "max_concurrency", "request_rate", "num_prompts",
+            *RESULT_KEYS, "error")  # fmt: skip
+# {ratio key: (row metric, "higher" if higher is better for the peer)}; each is peer / vLLM.
+RATIOS = {
+    "tok_s_vs_vllm": "out_tok_per_s",
+    "itl_vs_vllm": "itl_ms_p50",
+    "ttft_vs_vllm": "ttft_ms_p50",
+}
+# A run during which work not ours kept more cores than this busy on average is flagged.
+BUSY_ELSEWHERE_CORES = 0.25
+SPREAD_METRICS = ("ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50", "out_tok_per_s", *RATIOS)
+_COUNTS = ("completed", "failed", "max_concurrent_requests")  # kept as the client's integers
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One ``vllm bench serve`` run's load: a closed loop of ``max_concurrency`` streams, or an
+    open loop at ``request_rate`` req/s (Poisson arrivals, no concurrency cap)."""
+
+    name: str  # "c1", "c8", "r2", ...
+    num_prompts: int
+    max_concurrency: int | None = None
+    request_rate: float | None = None
+
+    @staticmethod
+    def closed(streams: int, num_prompts: int) -> LoadPoint:
+        return LoadPoint(f"c{streams}", num_prompts, max_concurrency=streams)
+
+    @staticmethod
+    def open(rate: float, num_prompts: int) -> LoadPoint:
+        return LoadPoint(f"r{rate:g}", num_prompts, request_rate=rate)
+
+    def client_args(self) -> list[str]:
+        argv = ["--num-prompts", str(self.num_prompts)]
+        if self.max_concurrency is not None:
+            argv += ["--max-concurrency", str(self.max_concurrency)]
+        if self.request_rate is not None:
+            argv += ["--request-rate", f"{self.request_rate:g}"]
+        return argv
+
+
+def parse_result(result: dict[str, Any], setup: str, repeat: int, load: LoadPoint) -> dict[str, Any]:
+    """One row from a ``vllm bench serve`` result JSON (a metric it lacks is None)."""
+    row: dict[str, Any] = {
+        "setup": setup,
+        "repeat": repeat,
+        "load": load.name,
+        "max_concurrency": load.max_concurrency,
+        "request_rate": load.request_rate,
+        "num_prompts": load.num_prompts,
+    }
+    for key, source in RESULT_KEYS.items():
+        value = result.get(source)
+        row[key] = float(value) if isinstance(value, int | float) and key not in _COUNTS else value
+    errors = [e for e in result.get("errors") or [] if e]
+    row["error"] = errors[0][:300] if errors else None
+    if not row["completed"]:  # the client reports zeros, not latencies, when nothing finished
+        for key in RESULT_KEYS:
+            if key not in _COUNTS and key != "duration_s":
+                row[key] = None
+    return row
+
+
+def failed_row(setup: str, repeat: int, load: LoadPoint, error: str) -> dict[str, Any]:
+    """The row of a client run that produced no result file."""
+    row: dict[str, Any] = {key: None for key in ROW_KEYS}
+    row.update(setup=setup, repeat=repeat, load=load.name, max_concurrency=load.max_concurrency,
+               request_rate=load.request_rate, num_prompts=load.num_prompts, completed=0,
+               failed=load.num_prompts, error=error[:300])  # fmt: skip
+    return row
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base <= 0:
+        return None
+    return value / base
+
+
+def add_ratios(rows: list[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """Each row with its ratios to the baseline's row of the same repeat and load (None when the
+    baseline did not run it; the baseline's own ratios are 1)."""
+    base = {(r["repeat"], r["load"]): r for r in rows if r["setup"] == baseline}
+    out = []
+    for row in rows:
+        ref = base.get((row["repeat"], row["load"]))
+        ratios = {key: _ratio(row[metric], ref[metric] if ref else None) for key, metric in RATIOS.items()}
+        out.append({**row, **ratios})
+    return out
+
+
+def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setup and load point, over the repeats: the median, min and max of each metric and
+    ratio (None where no repeat has it), in first-seen order."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}  # {(setup, load): rows of every repeat}
+    for row in rows:
+        groups.setdefault((row["setup"], row["load"]), []).append(row)
+    out = []
+    for (setup, load), group in groups.items():
+        entry: dict[str, Any] = {"setup": setup, "load": load, "repeats": len(group)}
+        for metric in SPREAD_METRICS:
+            values = [r[metric] for r in group if r.get(metric) is not None and math.isfinite(r[metric])]
+            entry[f"{metric}_median"] = statistics.median(values) if values else None
+            entry[f"{metric}_min"] = min(values) if values else None
+            entry[f"{metric}_max"] = max(values) if values else None
+        out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------------- terminal
+
+
+TABLE_COLUMNS = {  # {title: row key}
+    "setup": "setup",
+    "load": "load",
+    "done": "completed",
+    "failed": "failed",
+    "TTFT p50 ms": "ttft_ms_p50",
+    "ITL p50 ms": "itl_ms_p50",
+    "TPOT p50 ms": "tpot_ms_p50",
+    "out tok/s": "out_tok_per_s",
+    "tok/s ÷ vLLM": "tok_s_vs_vllm",
+    "ITL ÷ vLLM": "itl_vs_vllm",
+    "TTFT ÷ vLLM": "ttft_vs_vllm",
+    "other cores": "other_cores",  # busy with work not ours during the run (pdserve.bench.foreign_load)
+}
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def _print(title: str, header: Sequence[str], body: Sequence[Sequence[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, column in enumerate(header):
+        table.add_column(column, justify="left" if i < 2 else "right", no_wrap=i < 2)
+    for line in body:
+        table.add_row(*line)
+    Console(width=max(150, Console().width)).print(table)  # a log file gets every column too
+
+
+def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> None:
+    """One table per repeat: every setup at every load point, with its ratios to vLLM."""
+    repeats = sorted({r["repeat"] for r in rows})
+    for repeat in repeats:
+        body = [
+            [_fmt(row.get(key)) for key in TABLE_COLUMNS.values()] for row in rows if row["repeat"] == repeat
+        ]
+        _print(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(TABLE_COLUMNS), body)
+    for row in rows:
+        where = f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}"
+        if row.get("error"):
+            print(f"  {where}: {row['error']}")
+        if (row.get("other_cores") or 0.0) > BUSY_ELSEWHERE_CORES:
+            print(
+                f"  {where}: other work kept {row['other_cores']:.2f} cores busy meanwhile: a suspect number"
+            )
+
+
+def print_spread(spreads: Sequence[dict[str, Any]], num_repeats: int) -> None:
+    """Median [min, max] over the repeats of each key metric and ratio."""
+
+    def cell(entry: dict[str, Any], metric: str) -> str:
+        median = entry[f"{metric}_median"]
+        if median is None or entry["repeats"] < 2:
+            return _fmt(median)
+        return f"{_fmt(median)} [{_fmt(entry[f'{metric}_min'])}, {_fmt(entry[f'{metric}_max'])}]"
+
+    metrics = {"TTFT p50 ms": "ttft_ms_p50", "ITL p50 ms": "itl_ms_p50", "out tok/s": "out_tok_per_s",
+               "tok/s ÷ vLLM": "tok_s_vs_vllm", "ITL ÷ vLLM": "itl_vs_vllm", "TTFT ÷ vLLM": "ttft_vs_vllm"}  # fmt: skip
+    body = [[e["setup"], e["load"], *(cell(e, m) for m in metrics.values())] for e in spreads]
+    title = f"spread over {num_repeats} repeat(s): median [min, max]"
+    _print(title, ["setup", "load", *metrics], body)
+
+
+# ---------------------------------------------------------------------- plot
+
+
+def plot(
+    spreads: Sequence[dict[str, Any]], loads: Sequence[LoadPoint], setups: Sequence[str], path: str
+) -> None:
+    """Output tok/s (top) and ITL p50 (bottom) against the concurrency (left, closed loop) and
+    the request rate (right, open loop), one line per setup: the median over repeats, the bar
+    from min to max."""
+    from pdserve.bench.report import new_figure, save_figure
+
+    closed = [lp for lp in loads if lp.max_concurrency is not None]
+    opened = [lp for lp in loads if lp.request_rate is not None]
+    panels = [(kind, group) for kind, group in (("closed", closed), ("open", opened)) if group]
+    if not panels:
+        return
+    fig, axes = new_figure(2, len(panels), figsize=(6 * len(panels), 7), squeeze=False)
+    by_key = {(e["setup"], e["load"]): e for e in spreads}
+    for col, (kind, group) in enumerate(panels):
+        xs = [lp.max_concurrency if kind == "closed" else lp.request_rate for lp in group]
+        for row_index, (metric, label) in enumerate(
+            (("out_tok_per_s", "output tok/s"), ("itl_ms_p50", "ITL p50 (ms)"))
+        ):
+            ax = axes[row_index][col]
+            drawn = False
+            for setup in setups:
+                points = [
+                    (x, entry)
+                    for x, lp in zip(xs, group, strict=True)
+                    if (entry := by_key.get((setup, lp.name))) is not None
+                    and entry[f"{metric}_median"] is not None
+                ]
+                if not points:
+                    continue
+                px = [x for x, _ in points]
+                mid = [e[f"{metric}_median"] for _, e in points]
+                low = [m - e[f"{metric}_min"] for m, (_, e) in zip(mid, points, strict=True)]
+                high = [e[f"{metric}_max"] - m for m, (_, e) in zip(mid, points, strict=True)]
+                ax.errorbar(px, mid, yerr=[low, high], marker="o", capsize=3, label=setup)
+                drawn = True
+            ax.set_xlabel("concurrent streams" if kind == "closed" else "request rate (req/s, Poisson)")
+            ax.set_ylabel(label)
+            if kind == "closed":
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([f"{x:g}" for x in xs])
+            ax.grid(alpha=0.3)
+            if drawn:
+                ax.legend(fontsize=8)
+    axes[0][0].set_title("closed loop (max concurrency)" if panels[0][0] == "closed" else "open loop")
+    if len(panels) > 1:
+        axes[0][1].set_title("open loop (request rate)")
+    save_figure(fig, path)

