@@ -25,20 +25,26 @@ def _busy_ticks() -> int:
 
 
 def _session_ticks(sessions: set[int]) -> int:
-    """CPU ticks used by the live processes of ``sessions`` (and the children they reaped)."""
-    total = 0
+    """CPU ticks used by the live processes of ``sessions``, and by every descendant of their
+    leaders (``pdserve cluster`` starts each engine in a session of its own), including the
+    children they reaped."""
+    stats: dict[int, list[str]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
                 # After "pid (comm)": state ppid pgrp session ... utime(11) stime cutime cstime.
-                fields = f.read().rsplit(")", 1)[1].split()
+                stats[int(name)] = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited meanwhile
-        if int(fields[3]) in sessions:
-            total += sum(int(v) for v in fields[11:15])
-    return total
+    ours = {pid for pid, fields in stats.items() if int(fields[3]) in sessions} | set(sessions)
+    grew = True
+    while grew:  # descendants, whatever session they lead
+        added = {pid for pid, fields in stats.items() if pid not in ours and int(fields[1]) in ours}
+        ours |= added
+        grew = bool(added)
+    return sum(sum(int(v) for v in stats[pid][11:15]) for pid in ours if pid in stats)
 
 
 def _own_seconds() -> float:
