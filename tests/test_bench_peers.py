@@ -16,6 +16,7 @@ import pytest
 from pdserve import cli
 from pdserve.bench import peer_venv, peers
 from pdserve.bench.peers_report import ROW_KEYS, LoadPoint, add_ratios, failed_row, parse_result, spread
+from tests.process_helpers import processes_mentioning
 
 # `vllm bench serve --backend openai --dataset-name random --random-input-len 256
 # --random-output-len 64 --ignore-eos --seed 0 --num-prompts 4 --max-concurrency 1
@@ -164,19 +165,6 @@ def test_machine_info_names_the_cpu_and_its_matmul_flags():
     assert isinstance(machine["amx"], bool)
 
 
-def _processes_mentioning(marker: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(
     not peer_venv.venv_ready(peer_venv.cache_dir(None)),
@@ -215,7 +203,7 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
     machine = payload["machine"]
     assert machine["nproc"] >= 1 and "avx512_bf16" in machine["cpu_flags"]
     assert (tmp_path / "peers.png").stat().st_size > 0
-    assert _processes_mentioning(model) == []
+    assert processes_mentioning(model) == []
 
 
 def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path, capsys):

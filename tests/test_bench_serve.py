@@ -17,23 +17,11 @@ import pytest
 from pdserve.bench import chunk_sweep, serve
 from pdserve.bench.serve_report import KEY_METRICS, verdicts
 from pdserve.engine.model.tiny import write_tiny_model
+from tests.process_helpers import processes_mentioning
 
 NUM_REQUESTS = 4
 OUTPUT_LEN = 4
 PLOTS = ("serve_ttft_cdf.png", "serve_itl_cdf.png", "serve_goodput.png", "serve_pd_breakdown.png")
-
-
-def _processes_mentioning(marker: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +97,7 @@ def test_bench_serve_writes_plots_and_leaves_no_process(bench_run):
         with open(plot_dir / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     assert payload["config"]["cpus"] and payload["config"]["setups"] == ["colocated", "pd"]
-    assert _processes_mentioning(model) == []
+    assert processes_mentioning(model) == []
 
 
 def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, monkeypatch, tiny_model_dir):
@@ -208,7 +196,7 @@ def test_bench_serve_api_both_alternates_the_front_doors_and_reports_the_http_ov
         grpc_ms, http_ms = overhead[f"{metric}_ms_p50_grpc"], overhead[f"{metric}_ms_p50_http"]
         assert grpc_ms > 0 and http_ms > 0
         assert math.isclose(overhead[f"{metric}_ms_p50_added"], http_ms - grpc_ms)
-    assert _processes_mentioning(model) == []
+    assert processes_mentioning(model) == []
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +244,7 @@ def test_bench_serve_runs_three_setups_in_every_repeat(three_setup_run):
     assert prompt_lens("pd", 0) != prompt_lens("pd", 1)  # ...and a fresh draw per repeat
     for name in PLOTS:
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    assert _processes_mentioning(model) == []
+    assert processes_mentioning(model) == []
 
 
 def test_bench_serve_records_the_chunk_sweep_and_its_choice(three_setup_run):
