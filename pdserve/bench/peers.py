@@ -25,6 +25,10 @@ The report gives, per repeat, each setup's TTFT p50, ITL p50 (the client's per-c
 TPOT p50 and output tok/s, and each setup's ratio to vLLM in the same repeat and load point
 (tok/s: above 1 is faster than vLLM; ITL and TTFT: below 1 is faster); then the spread of each
 over the repeats. JSON and PNG as every benchmark (``pdserve.bench.report``).
+
+``--scenario long`` replaces the load points by one run of two clients at once: long prompts
+arriving among streaming decodes, each setup's goodput under an SLO on every inter-token gap and
+its ratio to vLLM's (``pdserve.bench.peers_long``; bench-results/peers_long.json and .png).
 """
 
 from __future__ import annotations
@@ -44,12 +48,13 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pdserve import supervisor
-from pdserve.bench import peer_venv
+from pdserve.bench import peer_venv, peers_long, peers_long_report
 from pdserve.bench.foreign_load import ForeignLoad
+from pdserve.bench.peers_client import Context, client_argv, log_tail, random_dataset, run_client
+from pdserve.bench.peers_long import MAX_WARMUP_PROMPTS, LongScenario
 from pdserve.bench.peers_report import (
     LoadPoint,
     add_ratios,
@@ -101,20 +106,6 @@ def served_model_name(base_url: str) -> str:
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
     return str(models[0]["id"])
-
-
-@dataclass
-class Context:
-    """What every setup and client run of one invocation shares."""
-
-    args: argparse.Namespace
-    venv: peer_venv.PeerVenv
-    hf_dir: str  # the weights and tokenizer as an HF directory: vLLM's model, the client's tokenizer
-    gguf: str | None  # the GGUF, if the model is one (llama-server's model)
-    log_dir: str
-    env: dict[str, str]  # pdserve's processes
-    peer_env: dict[str, str]  # the side venv's processes
-    say: Callable[[str], None]
 
 
 # ---------------------------------------------------------------------- servers
@@ -186,65 +177,24 @@ def load_points(args: argparse.Namespace) -> list[LoadPoint]:
     return points
 
 
-def client_argv(ctx: Context, base_url: str, model_name: str, load: LoadPoint, seed: int,
-                result_dir: str, result_name: str) -> list[str]:  # fmt: skip
-    """``vllm bench serve`` against ``base_url`` for one load point."""
-    args = ctx.args
-    return [
-        *ctx.venv.bench_argv(),
-        "--backend", "openai", "--base-url", base_url, "--model", model_name, "--tokenizer", ctx.hf_dir,
-        "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--ignore-eos", "--seed", str(seed),
-        "--temperature", f"{args.temperature:g}",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_name,
-        "--disable-tqdm", *load.client_args(), *shlex.split(args.client_args),
-    ]  # fmt: skip
-
-
-def run_client(ctx: Context, argv: list[str], log_path: str, label: str) -> int:
-    """Run the client with its output in ``log_path``, a progress line every 15 s; its exit code
-    (-1 after ``--run-timeout``, when its process group is killed)."""
-    start = time.monotonic()
-    with open(log_path, "a") as log:
-        log.write(f"$ {shlex.join(argv)}\n")
-        log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=ctx.peer_env, start_new_session=True)  # fmt: skip
-        try:
-            last_note = start
-            while proc.poll() is None:
-                time.sleep(0.5)
-                now = time.monotonic()
-                if now - start > ctx.args.run_timeout:
-                    ctx.say(f"{label}: no result after {ctx.args.run_timeout:.0f}s, stopping the client")
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    return -1
-                if now - last_note >= 15.0:
-                    last_note = now
-                    ctx.say(f"{label}: running ({now - start:.0f}s)")
-        finally:
-            if proc.poll() is None:  # interrupted: take the client down with us
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return proc.returncode
-
-
 def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_name: str, load: LoadPoint,
-            seed: int, repeat: int) -> dict[str, Any]:  # fmt: skip
-    """One client run against ``setup`` (its processes: ``servers``): its row (a failed row if the
-    client wrote no result), with the cores other work kept busy meanwhile."""
+            seed: int, repeat: int, dataset: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One client run against ``setup`` (its processes: ``servers``) on ``dataset`` (default: the
+    sweep's lengths): its row (a failed row if the client wrote no result), with the cores other
+    work kept busy meanwhile."""
+    args = ctx.args
     tag = f"{setup}-r{repeat}-{load.name}"
     result_dir = os.path.join(ctx.log_dir, "results")
     result_path = os.path.join(result_dir, f"{tag}.json")
     log_path = os.path.join(ctx.log_dir, f"client-{tag}.log")
-    argv = client_argv(ctx, base_url, model_name, load, seed, result_dir, f"{tag}.json")
+    dataset = dataset or random_dataset(args.input_len, args.output_len)
+    argv = client_argv(
+        ctx, base_url, model_name, dataset, load.client_args(), seed, result_dir, f"{tag}.json"
+    )
     with ForeignLoad(servers) as foreign:  # other work on the machine during the run
         code = run_client(ctx, argv, log_path, f"{setup} {load.name}")
     if code != 0 or not os.path.exists(result_path):
-        tail = _log_tail(log_path)
+        tail = log_tail(log_path)
         ctx.say(f"{setup} {load.name}: the client exited with {code}; {log_path} ends:\n{tail}")
         row = failed_row(setup, repeat, load, f"client exit {code}: {tail.strip().splitlines()[-1:]}")
     else:
@@ -253,14 +203,9 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     return {**row, "seed": seed, "other_cores": foreign.cores}
 
 
-def _log_tail(path: str, num_lines: int = 15) -> str:
-    with contextlib.suppress(OSError), open(path, errors="replace") as f:
-        return "".join(f.readlines()[-num_lines:])
-    return ""
-
-
-def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint]) -> list[dict[str, Any]]:
-    """Start ``setup``, warm it up, run every load point on it, stop it."""
+def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint],
+              scenario: LongScenario | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Start ``setup``, warm it up, run every load point on it (or ``scenario``), stop it."""
     args = ctx.args
     of = f" (repeat {repeat + 1}/{args.repeats})"
     ctx.say(f"{setup}{of}: starting")
@@ -268,7 +213,7 @@ def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint]) -> 
 
     def progress(message: str) -> None:
         if message.startswith("waiting for") and sup.children:  # what a slow start is doing
-            message += f" | {_log_tail(sup.children[-1].log_path, 1).strip()[:120]}"
+            message += f" | {log_tail(sup.children[-1].log_path, 1).strip()[:120]}"
         ctx.say(message)
 
     with Supervisor(grace_s=30.0, progress=progress, poll_s=1.0) as sup:
@@ -276,13 +221,20 @@ def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint]) -> 
         model_name = served_model_name(base_url)
         servers = [child.pid for child in sup.children if child.pid is not None]
         ctx.say(f"{setup}: serving {model_name!r} at {base_url}")
-        if args.warmup_prompts > 0:
-            warmup = LoadPoint("warmup", args.warmup_prompts, max_concurrency=args.warmup_prompts)
+        num_warmup = args.warmup_prompts if scenario is None else min(args.warmup_prompts, MAX_WARMUP_PROMPTS)
+        if num_warmup > 0:
+            warmup = LoadPoint("warmup", num_warmup, max_concurrency=num_warmup)
             seed = args.seed + 1000 * repeat + WARMUP_SEED_OFFSET
-            row = measure(ctx, setup, servers, base_url, model_name, warmup, seed, repeat)
+            dataset = scenario.warmup_dataset() if scenario else None
+            row = measure(ctx, setup, servers, base_url, model_name, warmup, seed, repeat, dataset)
             if row["completed"] != warmup.num_prompts:
                 raise RuntimeError(f"{setup}: warm-up failed ({row['failed']} failed: {row['error']})")
-        for index, load in enumerate(loads):
+        if scenario is not None:
+            row = peers_long.measure(ctx, scenario, setup, servers, base_url, model_name, repeat)
+            sup.check()  # a server that died mid-run fails the benchmark, naming it
+            rows.append({**row, "served_model_name": model_name})
+            ctx.say(f"{setup} {peers_long.SCENARIO}{of}: {peers_long.summary(row)}")
+        for index, load in enumerate(loads if scenario is None else []):
             row = measure(
                 ctx, setup, servers, base_url, model_name, load, args.seed + 1000 * repeat + index, repeat
             )
@@ -358,6 +310,13 @@ def _git_commit() -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", nargs="+", default=["vllm", "default-cluster", "colocated"], choices=SETUPS)
+    p.add_argument(
+        "--scenario",
+        choices=("sweep", peers_long.SCENARIO),
+        default="sweep",
+        help="sweep: the load points below; long: long prompts arriving among streams, under an SLO "
+        "(pdserve.bench.peers_long; its flags below)",
+    )
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (EOS ignored)")
@@ -396,11 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--startup-timeout", type=float, default=900.0, help="seconds for a server to answer /health"
     )
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds for one client run")
-    p.add_argument("--json", default=None, help="default: bench-results/peers.json")
+    p.add_argument("--json", default=None, help="default: bench-results/peers.json (peers_long.json)")
     p.add_argument("--plot", default=None, help="default: the JSON path with .png")
     p.add_argument(
         "--log-dir", default=None, help="logs and client results (default: a temp dir, kept on failure)"
     )
+    peers_long.add_arguments(p)
     return p
 
 
@@ -422,10 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.input_len, args.output_len, args.repeats) < 1 or any(r <= 0 for r in args.rates):
         print("error: --input-len, --output-len, --repeats and every rate must be positive", file=sys.stderr)
         return 2
-    loads = load_points(args)
-    if not loads:
+    scenario = LongScenario.from_args(args) if args.scenario == peers_long.SCENARIO else None
+    if scenario is not None and (problem := scenario.problem()):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    loads = load_points(args) if scenario is None else []
+    if scenario is None and not loads:
         print("error: no load point: every prompt count is 0", file=sys.stderr)
         return 2
+    if scenario is not None:  # the long prompts and their outputs exceed pdserve's default 2048
+        args.engine_args = scenario.engine_args(args.engine_args)
     if "llama-server" in setups and not (args.llama_server and os.access(args.llama_server, os.X_OK)):
         print(
             f"note: skipping llama-server: no executable --llama-server ({args.llama_server})",
@@ -462,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     peer_env.update(VIRTUAL_ENV=venv.path, PATH=f"{os.path.join(venv.path, 'bin')}:{os.environ.get('PATH', '')}",
                     PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
     ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say)
-    say(f"{machine_line(machine)}; setups {setups}; load points {[lp.name for lp in loads]}; "
-        f"{args.repeats} repeat(s); logs in {log_dir}")  # fmt: skip
+    what = f"load points {[lp.name for lp in loads]}" if scenario is None else f"scenario {args.scenario}"
+    say(f"{machine_line(machine)}; setups {setups}; {what}; {args.repeats} repeat(s); logs in {log_dir}")
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the `with Supervisor` that stops the servers
@@ -476,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for repeat in range(args.repeats):  # repeat-major: drifting background load hits every setup
             for setup in setups:
-                rows += run_setup(ctx, setup, repeat, loads)
+                rows += run_setup(ctx, setup, repeat, loads, scenario)
     except Exception as exc:
         failed = True
         print(f"error: {exc}\n(logs in {log_dir})", file=sys.stderr)
@@ -496,26 +462,41 @@ def main(argv: list[str] | None = None) -> int:
         if own_log_dir and not incomplete:
             shutil.rmtree(log_dir, ignore_errors=True)
 
-    rows = add_ratios(rows)
-    print_repeat_tables(rows, machine_line(machine))
-    spreads = spread(rows)
-    print_spread(spreads, args.repeats)
+    if scenario is None:
+        rows = add_ratios(rows)
+        print_repeat_tables(rows, machine_line(machine))
+        spreads = spread(rows)
+        print_spread(spreads, args.repeats)
+    else:
+        rows = add_ratios(rows, ratios_of=peers_long_report.RATIOS)
+        spreads = spread(rows, peers_long_report.SPREAD_METRICS)
+        peers_long_report.print_long_tables(rows, spreads, machine_line(machine), scenario.slo)
     wall_s = time.monotonic() - started
     print(f"wall time {wall_s:.0f}s")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "log_dir")}
     payload = {
-        "config": {**config, "setups": setups, "load_points": [vars(lp) for lp in loads]},
+        "config": {
+            **config,
+            "setups": setups,
+            "load_points": [vars(lp) for lp in loads],
+            "scenario_long": scenario.config() if scenario else None,
+        },
         "machine": {**machine, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "versions": {"pdserve": _git_commit(), "vllm": venv.version(), "peer_venv": venv.path},
         "peer_model_dir": hf_dir,
-        "client": "vllm bench serve --backend openai --dataset-name random (side venv)",
+        "client": "vllm bench serve --backend openai --dataset-name random (side venv)"
+        + ("; two at once: streams and long prompts" if scenario else ""),
         "wall_s": wall_s,
         "rows": rows,
         "spread": spreads,
     }
-    json_path = args.json or default_path("peers", "json")
+    json_path = args.json or default_path("peers" if scenario is None else "peers_long", "json")
     save_json(json_path, payload)
-    plot(spreads, loads, setups, args.plot or os.path.splitext(json_path)[0] + ".png")
+    plot_path = args.plot or os.path.splitext(json_path)[0] + ".png"
+    if scenario is None:
+        plot(spreads, loads, setups, plot_path)
+    else:
+        peers_long_report.plot_long(rows, spreads, setups, scenario.slo, plot_path)
     if incomplete:
         print(f"some requests failed (logs in {log_dir})", file=sys.stderr)
         return 1

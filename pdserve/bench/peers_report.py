@@ -109,28 +109,30 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def add_ratios(rows: list[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
-    """Each row with its ratios to the baseline's row of the same repeat and load (None when the
-    baseline did not run it; the baseline's own ratios are 1)."""
+def add_ratios(
+    rows: list[dict[str, Any]], baseline: str = BASELINE, ratios_of: dict[str, str] = RATIOS
+) -> list[dict[str, Any]]:
+    """Each row with its ratios (``ratios_of``: {ratio key: row metric}) to the baseline's row of
+    the same repeat and load (None when the baseline did not run it; the baseline's own are 1)."""
     base = {(r["repeat"], r["load"]): r for r in rows if r["setup"] == baseline}
     out = []
     for row in rows:
         ref = base.get((row["repeat"], row["load"]))
-        ratios = {key: _ratio(row[metric], ref[metric] if ref else None) for key, metric in RATIOS.items()}
+        ratios = {key: _ratio(row[metric], ref[metric] if ref else None) for key, metric in ratios_of.items()}
         out.append({**row, **ratios})
     return out
 
 
-def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per setup and load point, over the repeats: the median, min and max of each metric and
-    ratio (None where no repeat has it), in first-seen order."""
+def spread(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = SPREAD_METRICS) -> list[dict[str, Any]]:
+    """Per setup and load point, over the repeats: the median, min and max of each of ``metrics``
+    (None where no repeat has it), in first-seen order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}  # {(setup, load): rows of every repeat}
     for row in rows:
         groups.setdefault((row["setup"], row["load"]), []).append(row)
     out = []
     for (setup, load), group in groups.items():
         entry: dict[str, Any] = {"setup": setup, "load": load, "repeats": len(group)}
-        for metric in SPREAD_METRICS:
+        for metric in metrics:
             values = [r[metric] for r in group if r.get(metric) is not None and math.isfinite(r[metric])]
             entry[f"{metric}_median"] = statistics.median(values) if values else None
             entry[f"{metric}_min"] = min(values) if values else None
@@ -158,7 +160,7 @@ TABLE_COLUMNS = {  # {title: row key}
 }
 
 
-def _fmt(value: Any) -> str:
+def fmt_cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -166,7 +168,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _print(title: str, header: Sequence[str], body: Sequence[Sequence[str]]) -> None:
+def print_rich_table(
+    title: str, header: Sequence[str], body: Sequence[Sequence[str]], min_width: int = 150
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -175,7 +179,7 @@ def _print(title: str, header: Sequence[str], body: Sequence[Sequence[str]]) -> 
         table.add_column(column, justify="left" if i < 2 else "right", no_wrap=i < 2)
     for line in body:
         table.add_row(*line)
-    Console(width=max(150, Console().width)).print(table)  # a log file gets every column too
+    Console(width=max(min_width, Console().width)).print(table)  # a log file gets every column too
 
 
 def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> None:
@@ -183,9 +187,11 @@ def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> No
     repeats = sorted({r["repeat"] for r in rows})
     for repeat in repeats:
         body = [
-            [_fmt(row.get(key)) for key in TABLE_COLUMNS.values()] for row in rows if row["repeat"] == repeat
+            [fmt_cell(row.get(key)) for key in TABLE_COLUMNS.values()]
+            for row in rows
+            if row["repeat"] == repeat
         ]
-        _print(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(TABLE_COLUMNS), body)
+        print_rich_table(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(TABLE_COLUMNS), body)
     for row in rows:
         where = f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}"
         if row.get("error"):
@@ -196,20 +202,21 @@ def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> No
             )
 
 
+def spread_cell(entry: dict[str, Any], metric: str) -> str:
+    """``median [min, max]`` of ``metric`` in a ``spread`` entry (the median alone for one repeat)."""
+    median = entry[f"{metric}_median"]
+    if median is None or entry["repeats"] < 2:
+        return fmt_cell(median)
+    return f"{fmt_cell(median)} [{fmt_cell(entry[f'{metric}_min'])}, {fmt_cell(entry[f'{metric}_max'])}]"
+
+
 def print_spread(spreads: Sequence[dict[str, Any]], num_repeats: int) -> None:
     """Median [min, max] over the repeats of each key metric and ratio."""
-
-    def cell(entry: dict[str, Any], metric: str) -> str:
-        median = entry[f"{metric}_median"]
-        if median is None or entry["repeats"] < 2:
-            return _fmt(median)
-        return f"{_fmt(median)} [{_fmt(entry[f'{metric}_min'])}, {_fmt(entry[f'{metric}_max'])}]"
-
     metrics = {"TTFT p50 ms": "ttft_ms_p50", "ITL p50 ms": "itl_ms_p50", "out tok/s": "out_tok_per_s",
                "tok/s ÷ vLLM": "tok_s_vs_vllm", "ITL ÷ vLLM": "itl_vs_vllm", "TTFT ÷ vLLM": "ttft_vs_vllm"}  # fmt: skip
-    body = [[e["setup"], e["load"], *(cell(e, m) for m in metrics.values())] for e in spreads]
+    body = [[e["setup"], e["load"], *(spread_cell(e, m) for m in metrics.values())] for e in spreads]
     title = f"spread over {num_repeats} repeat(s): median [min, max]"
-    _print(title, ["setup", "load", *metrics], body)
+    print_rich_table(title, ["setup", "load", *metrics], body)
 
 
 # ---------------------------------------------------------------------- plot
