@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.bench import handover
 from pdserve.engine.model.tiny import write_tiny_model
-from tests.test_bench_serve import _processes_mentioning
+from tests.process_helpers import processes_mentioning
 
 
 @pytest.fixture(scope="module")
@@ -74,4 +74,4 @@ def test_stage_breakdown_covers_the_handover_in_order(bench_run):
 
 def test_no_process_is_left(bench_run):
     *_, model = bench_run
-    assert _processes_mentioning(model) == []
+    assert processes_mentioning(model) == []
