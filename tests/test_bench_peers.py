@@ -18,6 +18,13 @@ from pdserve.bench import peer_venv, peers
 from pdserve.bench.peers_report import ROW_KEYS, LoadPoint, add_ratios, failed_row, parse_result, spread
 from tests.process_helpers import processes_mentioning
 
+# The end-to-end tests drive the servers through vLLM's own client, from the side venv.
+requires_peer_venv = pytest.mark.skipif(
+    not peer_venv.venv_ready(peer_venv.cache_dir(None)),
+    reason=f"the side venv with vLLM's client is not built under {peer_venv.cache_dir(None)} "
+    "(`pdserve bench peers` builds it once, in about 80 s; too slow for CI)",
+)
+
 # `vllm bench serve --backend openai --dataset-name random --random-input-len 256
 # --random-output-len 64 --ignore-eos --seed 0 --num-prompts 4 --max-concurrency 1
 # --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result
@@ -166,11 +173,7 @@ def test_machine_info_names_the_cpu_and_its_matmul_flags():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not peer_venv.venv_ready(peer_venv.cache_dir(None)),
-    reason=f"the side venv with vLLM's client is not built under {peer_venv.cache_dir(None)} "
-    "(`pdserve bench peers` builds it once, in about 80 s; too slow for CI)",
-)
+@requires_peer_venv
 def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
     from pdserve.engine.model.tiny import write_tiny_model
 

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from pdserve import cli
-from pdserve.bench import peer_venv, peers
+from pdserve.bench import peers
 from pdserve.bench.peers_long import LongScenario
 from pdserve.bench.peers_long_report import (
     RATIOS,
@@ -28,6 +28,7 @@ from pdserve.bench.peers_long_report import (
 )
 from pdserve.bench.peers_report import add_ratios, spread
 from tests.process_helpers import processes_mentioning
+from tests.test_bench_peers import requires_peer_venv
 
 # `pdserve bench peers --scenario long --setups vllm` (defaults: streams of 64-token prompts and
 # 256 outputs, 4 at a time; long prompts of 1029-2043 tokens with 32 outputs at 0.25 req/s),
@@ -233,11 +234,7 @@ def test_a_bad_scenario_flag_is_refused_before_anything_starts(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not peer_venv.venv_ready(peer_venv.cache_dir(None)),
-    reason=f"the side venv with vLLM's client is not built under {peer_venv.cache_dir(None)} "
-    "(`pdserve bench peers` builds it once, in about 80 s; too slow for CI)",
-)
+@requires_peer_venv
 def test_bench_peers_long_runs_both_clients_against_colocated_end_to_end(tmp_path):
     from pdserve.engine.model.tiny import write_tiny_model
 

@@ -21,12 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.peers_report import (
-    BUSY_ELSEWHERE_CORES,
-    fmt_cell,
-    print_rich_table,
-    spread_cell,
-)
+from pdserve.bench.peers_report import fmt_cell, print_rich_table, print_row_warnings, spread_cell
 
 LOAD = "long"  # the rows' load name: one run of both clients per setup and repeat
 STREAM, LONG = "stream", "long"  # the two clients' requests
@@ -233,14 +228,7 @@ def print_long_tables(rows: Sequence[dict[str, Any]], spreads: Sequence[dict[str
         title = f"long prompts among streams, repeat {repeat + 1}/{len(repeats)} — {machine_line}\n{where}"
         print_rich_table(title, list(TABLE_COLUMNS), body, min_width=190)
     print(f"  {LEGEND}")
-    for row in rows:
-        name = f"{row['setup']} repeat {row['repeat'] + 1}"
-        if row.get("error"):
-            print(f"  {name}: {row['error']}")
-        if (row.get("other_cores") or 0.0) > BUSY_ELSEWHERE_CORES:
-            print(
-                f"  {name}: other work kept {row['other_cores']:.2f} cores busy meanwhile: a suspect number"
-            )
+    print_row_warnings(rows, lambda row: f"{row['setup']} repeat {row['repeat'] + 1}")
     metrics = {"goodput/s": "goodput_req_per_s", "SLO fraction": "slo_fraction",
                "goodput ÷ vLLM": "goodput_vs_vllm", "ITL p99": "stream_itl_ms_p99",
                "max gap p50": "stream_max_gap_ms_p50", "max gap p90": "stream_max_gap_ms_p90",

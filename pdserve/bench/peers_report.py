@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,13 +192,17 @@ def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> No
             if row["repeat"] == repeat
         ]
         print_rich_table(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(TABLE_COLUMNS), body)
+    print_row_warnings(rows, lambda row: f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}")
+
+
+def print_row_warnings(rows: Sequence[dict[str, Any]], name: Callable[[dict[str, Any]], str]) -> None:
+    """A line for every run that failed or shared the machine with other work (a suspect number)."""
     for row in rows:
-        where = f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}"
         if row.get("error"):
-            print(f"  {where}: {row['error']}")
+            print(f"  {name(row)}: {row['error']}")
         if (row.get("other_cores") or 0.0) > BUSY_ELSEWHERE_CORES:
             print(
-                f"  {where}: other work kept {row['other_cores']:.2f} cores busy meanwhile: a suspect number"
+                f"  {name(row)}: other work kept {row['other_cores']:.2f} cores busy meanwhile: a suspect number"
             )
 
 

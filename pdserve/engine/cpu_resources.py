@@ -6,7 +6,7 @@ An engine that guesses wrong here loses most of its speed without failing:
   run four busy OpenMP threads on two cores and each step takes several times as long; in a
   container with a CPU limit of 2 on a 64-core node, torch starts 64 threads that the CFS quota
   throttles. So an engine takes as many threads as CPUs it may really use: its affinity mask
-  and its cgroup CPU quota, whichever is smaller (``usable_cpu_count``).
+  and its cgroup CPU quota, whichever is smaller (``CpuBudget.usable``).
 - fp32 weights read twice the bytes of bf16 on every decode step, which is bound by reading
   the weights. Where the CPU multiplies bf16 natively (AVX512-BF16, AMX, Arm's BF16), ``--dtype
   auto`` picks bf16; elsewhere bf16 is emulated and slower than fp32, so it keeps fp32
@@ -106,11 +106,9 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/s
                 continue
             if quota != "max" and int(period) > 0:
                 limits.append(int(quota) / int(period))
-    for controller in ("cpu", "cpu,cpuacct"):  # v1, mounted alone or with cpuacct
-        if controller not in paths:
-            continue
-        for mount in (root / "cpu", root / "cpu,cpuacct"):
-            for directory in _ancestors(mount, paths[controller]):
+    if "cpu" in paths:  # v1 (/proc/self/cgroup names "cpu,cpuacct"; _own_cgroup_paths splits it)
+        for mount in (root / "cpu", root / "cpu,cpuacct"):  # mounted alone or with cpuacct
+            for directory in _ancestors(mount, paths["cpu"]):
                 try:
                     quota_us = int((directory / "cpu.cfs_quota_us").read_text())
                     period_us = int((directory / "cpu.cfs_period_us").read_text())
@@ -143,10 +141,6 @@ class CpuBudget:
 
 def cpu_budget() -> CpuBudget:
     return CpuBudget(allowed_cpus(), cgroup_cpu_quota())
-
-
-def usable_cpu_count() -> int:
-    return cpu_budget().usable
 
 
 def configure_torch_threads(requested: int = 0) -> int:
@@ -191,9 +185,14 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+def native_bf16_flags(flags: frozenset[str] | None = None) -> list[str]:
+    """Which of ``NATIVE_BF16_FLAGS`` the CPU (or ``flags``) has."""
     flags = cpu_flags() if flags is None else flags
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    return bool(native_bf16_flags(flags))
 
 
 def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
@@ -201,8 +200,7 @@ def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
     other name is returned as it is."""
     if name != "auto":
         return name
-    flags = cpu_flags() if flags is None else flags
-    native = [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+    native = native_bf16_flags(flags)
     chosen = "bfloat16" if native else "float32"
     logger.info(
         "dtype auto: %s (%s)",
