@@ -32,6 +32,7 @@ or the window change.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -58,24 +59,27 @@ def read_text() -> str:
         return f.read()
 
 
+@functools.cache
+def measure_quality(dtype: str, quantization: str) -> tuple[quality.PerplexityResult, list[list[int]]]:
+    """Perplexity of the text and greedy completions of the prompts for the bundled model in
+    one setting; cached for the session (the fp32 reference serves the quantization tests too)."""
+    from pdserve import LLM
+
+    # dtype explicit: LLM's default may follow the CPU ("auto").
+    llm = LLM(None, dtype=dtype, quantization=quantization, max_model_len=512, num_blocks=256)
+    loaded = llm.engine.loaded
+    ppl = quality.perplexity(loaded, loaded.tokenizer.encode(read_text()), window=WINDOW)
+    prompts = quality.load_prompts(PROMPTS_PATH, loaded.tokenizer)
+    return ppl, quality.greedy_completions(llm, prompts, MAX_NEW_TOKENS)
+
+
 # ---------------------------------------------------------------------- bundled model (slow)
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, tuple[quality.PerplexityResult, list[list[int]]]]:
     """{dtype: (perplexity of the text, greedy completions of the prompts)}, one model at a time."""
-    from pdserve import LLM
-
-    out = {}
-    for dtype in ("float32", "bfloat16"):
-        # dtype explicit: LLM's default may follow the CPU ("auto").
-        llm = LLM(None, dtype=dtype, max_model_len=512, num_blocks=256)
-        loaded = llm.engine.loaded
-        ppl = quality.perplexity(loaded, loaded.tokenizer.encode(read_text()), window=WINDOW)
-        prompts = quality.load_prompts(PROMPTS_PATH, loaded.tokenizer)
-        out[dtype] = (ppl, quality.greedy_completions(llm, prompts, MAX_NEW_TOKENS))
-        del llm, loaded
-    return out
+    return {dtype: measure_quality(dtype, "none") for dtype in ("float32", "bfloat16")}
 
 
 @pytest.mark.slow

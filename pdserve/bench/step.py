@@ -7,7 +7,8 @@ in the same run and splits the measured step into what explains it:
 - ``bandwidth``: a ``sum()`` over 512 MB on this process's torch threads (the floor's
   denominator; 24-26 GB/s on one core of the AMD EPYC here);
 - ``weight MB``: the decoder projections, the norms and the LM head as the engine holds them
-  (bf16 projections packed for oneDNN read the same bytes as plain bf16);
+  (bf16 projections packed for oneDNN read the same bytes as plain bf16; ``--quantization gguf``
+  reads the file's blocks: 5 bits a weight for Q4_1, 8.5 for the Q8_0 head);
 - ``step``: the median decode step of the real engine (``pdserve.LLM``, the runner, the
   scheduler, sampling) at each batch size, every sequence at the same context length;
 - ``matmuls``: the same projections and LM head called alone on a batch of that size, in
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
 from pdserve.engine.cpu_resources import cpu_flags, has_native_bf16
 from pdserve.engine.model.linear import PackedLinear
+from pdserve.engine.model.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from pdserve.engine.model.llama import LlamaForCausalLM
@@ -70,25 +72,33 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     head (the embedding rows it looks up are negligible)."""
     from pdserve.engine.model.llama import RMSNorm
 
-    itemsize = model.model.embed_tokens.weight.element_size()
-    total = sum(p.in_features * p.out_features * itemsize for p in _projections(model))
+    itemsize = model.model.norm.weight.element_size()
+
+    def read_bytes(proj: nn.Linear | PackedLinear | QuantLinear) -> int:
+        if isinstance(proj, QuantLinear):
+            return proj.blocks.numel()
+        return proj.in_features * proj.out_features * itemsize
+
+    total = sum(read_bytes(p) for p in _projections(model))
     for module in model.modules():
         if isinstance(module, RMSNorm):
             total += module.weight.numel() * module.weight.element_size()
+    if model.quant_lm_head is not None:
+        return total + read_bytes(model.quant_lm_head)
     head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
     return total + head.weight.numel() * head.weight.element_size()
 
 
-def _projections(model: LlamaForCausalLM) -> list[nn.Linear | PackedLinear]:
+def _projections(model: LlamaForCausalLM) -> list[nn.Linear | PackedLinear | QuantLinear]:
     """Every decoder projection, in the order a step runs them."""
     from pdserve.engine.model.llama import LlamaDecoderLayer
 
-    out: list[nn.Linear | PackedLinear] = []
+    out: list[nn.Linear | PackedLinear | QuantLinear] = []
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            assert isinstance(proj, nn.Linear | PackedLinear)
+            assert isinstance(proj, nn.Linear | PackedLinear | QuantLinear)
             out.append(proj)
     return out
 
@@ -96,7 +106,7 @@ def _projections(model: LlamaForCausalLM) -> list[nn.Linear | PackedLinear]:
 def time_matmuls(net: LlamaForCausalLM, batch: int, repeats: int) -> float:
     """Seconds for every projection and the LM head on ``batch`` rows, in layer order."""
     projections = _projections(net)
-    dtype = net.model.embed_tokens.weight.dtype
+    dtype = net.dtype
     inputs = {p.in_features: torch.randn(batch, p.in_features, dtype=dtype) for p in projections}
     head_in = torch.randn(batch, net.config.hidden_size, dtype=dtype)
 
@@ -129,13 +139,26 @@ def time_attention(runner: ModelRunner, batch: int, context: int, repeats: int) 
 
 
 def measure(
-    dtype: str, batch_sizes: list[int], context: int, decode_tokens: int, repeats: int, model: str | None
+    dtype: str,
+    quantization: str,
+    batch_sizes: list[int],
+    context: int,
+    decode_tokens: int,
+    repeats: int,
+    model: str | None,
 ) -> list[dict]:
-    """One row per batch size for one dtype (see the module docstring for the columns)."""
+    """One row per batch size for one dtype and quantization (see the module docstring)."""
     from pdserve import LLM
     from pdserve.engine.request import SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=4096, num_blocks=4096, enable_prefix_caching=False)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        quantization=quantization,
+        max_model_len=4096,
+        num_blocks=4096,
+        enable_prefix_caching=False,
+    )
     net = llm.engine.runner.model
     runner = llm.engine.runner
     nbytes = weight_bytes(net)
@@ -171,6 +194,7 @@ def measure(
         rows.append(
             {
                 "dtype": dtype,
+                "quantization": quantization,
                 "batch": batch,
                 "context": context,
                 "weight_mb": nbytes / 1e6,
@@ -197,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default: float32, plus bfloat16 where the CPU has native bf16",
     )
+    parser.add_argument(
+        "--quantizations",
+        nargs="+",
+        default=None,
+        choices=["none", "gguf", "int8"],
+        help="default: none, plus gguf when the model is a GGUF file (the bundled one is)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, default=256, help="prompt tokens of every sequence")
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -211,13 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     flags = cpu_flags()
     dtypes = args.dtypes or (["float32", "bfloat16"] if has_native_bf16(flags) else ["float32"])
+    is_gguf = args.model is None or str(args.model).endswith(".gguf")
+    quantizations = args.quantizations or (["none", "gguf"] if is_gguf else ["none"])
+    configs = [(dtype, quantization) for quantization in quantizations for dtype in dtypes]
     rows: list[dict] = []
-    for dtype in tqdm(dtypes, desc="bench step", unit="dtype"):
-        rows += measure(dtype, args.batch_sizes, args.context, args.decode_tokens, args.repeats, args.model)
+    for dtype, quantization in tqdm(configs, desc="bench step", unit="config"):
+        rows += measure(
+            dtype, quantization, args.batch_sizes, args.context, args.decode_tokens, args.repeats, args.model
+        )
     print_table(
         f"decode step vs its floor ({args.threads} thread(s), context {args.context})",
         rows,
-        ["dtype", "batch", "weight_mb", "bandwidth_gbs", "floor_ms", "step_ms", "step_over_floor",
+        ["dtype", "quantization", "batch", "weight_mb", "bandwidth_gbs", "floor_ms", "step_ms", "step_over_floor",
          "matmuls_ms", "matmuls_over_floor", "attention_ms", "other_ms", "tok_s"],
     )  # fmt: skip
     cpu_bits = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx512f", "avx2"))
@@ -229,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plot(rows: list[dict], path: str) -> None:
     fig, ax = new_figure(figsize=(7, 4))
-    labels = [f"{r['dtype']}\nbatch {r['batch']}" for r in rows]
+    labels = [f"{r['dtype']}/{r.get('quantization', 'none')}\nbatch {r['batch']}" for r in rows]
     xs = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for part in ("matmuls_ms", "attention_ms", "other_ms"):

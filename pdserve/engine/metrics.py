@@ -34,6 +34,9 @@ class EngineMetrics:
             [*names, "finish_reason"],
             registry=self.registry,
         )
+        self.weight_bytes = gauge(
+            "pdserve_engine_weight_bytes", "Bytes the model's weights take in memory (after --quantization)"
+        )
         self.tokens = Counter(
             "pdserve_engine_generated_tokens", "Generated tokens", names, registry=self.registry
         ).labels(**labels)

@@ -230,6 +230,16 @@ async def serve_engine(
         raise
     address = f"{host}:{port}"
     metrics = EngineMetrics(role, address)
+    info = core.info
+    assert info is not None  # set by start()
+    metrics.weight_bytes.set(info.weight_bytes)
+    logger.info(
+        "%s engine weights: %s (--quantization %s), %.1f MB",
+        role,
+        info.weights,
+        info.quantization,
+        info.weight_bytes / 1e6,
+    )
     if metrics_port is not None:
         metrics.serve(host, metrics_port)
     server = grpc.aio.server(

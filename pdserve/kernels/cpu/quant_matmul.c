@@ -134,38 +134,8 @@ static inline __attribute__((always_inline)) void row_dots(int kind, const uint8
                                                            const float *x, int64_t K, int rows, float *dot) {
     const int bytes = block_bytes(kind);
 #if defined(__AVX512F__)
-    if (rows == 1) {
-        /* Four independent accumulators so the fma latency, not the chain, sets the pace. */
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 1 < blocks; b += 2) {
-            __m512 lo0, hi0, lo1, hi1;
-            if (kind == 0) {
-                decode_q4_1(w_row + b * bytes, &lo0, &hi0);
-                decode_q4_1(w_row + (b + 1) * bytes, &lo1, &hi1);
-            } else {
-                decode_q8_0(w_row + b * bytes, &lo0, &hi0);
-                decode_q8_0(w_row + (b + 1) * bytes, &lo1, &hi1);
-            }
-            const float *xb = x + b * QK;
-            a0 = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xb), a0);
-            a1 = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xb + 16), a1);
-            a2 = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xb + 32), a2);
-            a3 = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xb + 48), a3);
-        }
-        for (; b < blocks; b++) {
-            __m512 lo, hi;
-            if (kind == 0)
-                decode_q4_1(w_row + b * bytes, &lo, &hi);
-            else
-                decode_q8_0(w_row + b * bytes, &lo, &hi);
-            a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + b * QK), a0);
-            a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + b * QK + 16), a1);
-        }
-        dot[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-        return;
-    }
+    /* Each row's sum runs the same way whatever the tile's size (two chains: weights 0-15 and
+     * 16-31 of every block), so a request's logits do not depend on what it is batched with. */
     __m512 acc_lo[ROWS_PER_TILE], acc_hi[ROWS_PER_TILE];
     for (int r = 0; r < rows; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -213,27 +183,25 @@ static inline __attribute__((always_inline)) void row_dots_bf16(int kind, const 
                                                                 const uint16_t *x, int64_t K, int rows,
                                                                 float *dot) {
     const int bytes = block_bytes(kind);
-    if (rows == 1) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 1 < blocks; b += 2) {
-            __m512bh w0 = decode_bf16(kind, w_row + b * bytes), w1 = decode_bf16(kind, w_row + (b + 1) * bytes);
-            a0 = _mm512_dpbf16_ps(a0, w0, (__m512bh)_mm512_loadu_si512(x + b * QK));
-            a1 = _mm512_dpbf16_ps(a1, w1, (__m512bh)_mm512_loadu_si512(x + (b + 1) * QK));
+    /* Two chains per row (even and odd blocks), the same for every tile size: a row's result
+     * does not depend on what it is batched with. */
+    __m512 even[ROWS_PER_TILE], odd[ROWS_PER_TILE];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        __m512bh w0 = decode_bf16(kind, w_row + b * bytes), w1 = decode_bf16(kind, w_row + (b + 1) * bytes);
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *xb = x + r * K + b * QK;
+            even[r] = _mm512_dpbf16_ps(even[r], w0, (__m512bh)_mm512_loadu_si512(xb));
+            odd[r] = _mm512_dpbf16_ps(odd[r], w1, (__m512bh)_mm512_loadu_si512(xb + QK));
         }
-        for (; b < blocks; b++)
-            a0 = _mm512_dpbf16_ps(a0, decode_bf16(kind, w_row + b * bytes), (__m512bh)_mm512_loadu_si512(x + b * QK));
-        dot[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        return;
     }
-    __m512 acc[ROWS_PER_TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
+    if (b < blocks) {
         __m512bh w = decode_bf16(kind, w_row + b * bytes);
         for (int r = 0; r < rows; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_loadu_si512(x + r * K + b * QK));
+            even[r] = _mm512_dpbf16_ps(even[r], w, (__m512bh)_mm512_loadu_si512(x + r * K + b * QK));
     }
-    for (int r = 0; r < rows; r++) dot[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < rows; r++) dot[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
 #define ROWS_CASE_BF16(KIND, ROWS) \

@@ -1,0 +1,134 @@
+"""The quantized-weight CPU kernels against a dequantize-then-matmul reference, per block type.
+
+GGUF blocks come from ``gguf``'s own quantizer where it has one (Q8_0, Q4_0, Q4_1) and from
+random bytes with sane scales otherwise (Q4_K), and ``gguf.quants.dequantize`` of the same bytes
+is the reference for what the weights are. The kernels then must equal an fp32 matmul with those
+weights: to fp32 rounding for fp32 activations, and, for bf16 activations, to the matmul of the
+bf16-rounded weights (what a dense bf16 copy of the same file computes).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGML
+
+from pdserve.engine.model.gguf_blocks import quantize_q8_0, to_kernel_blocks
+from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
+from pdserve.kernels import cpu_quant
+from pdserve.kernels.cpu_quant import BlockKind
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler to build the kernels")
+
+OUT_FEATURES, IN_FEATURES = 72, 512  # Q4_K needs rows of whole 256s
+
+
+def gguf_tensor(kind: GGML, rng: np.random.Generator) -> np.ndarray:
+    """A ``[OUT, IN]`` tensor of ``kind`` as GGUF bytes."""
+    weights = rng.standard_normal((OUT_FEATURES, IN_FEATURES)).astype(np.float32) * 0.05
+    if kind != GGML.Q4_K:
+        return gguf.quants.quantize(weights, kind)
+    block_bytes, per_block = 144, 256
+    raw = rng.integers(0, 256, (OUT_FEATURES, IN_FEATURES // per_block, block_bytes), dtype=np.uint8)
+    raw[..., 0:2] = (
+        (rng.random((OUT_FEATURES, IN_FEATURES // per_block, 1)) * 0.002).astype(np.float16).view(np.uint8)
+    )
+    raw[..., 2:4] = (
+        (rng.random((OUT_FEATURES, IN_FEATURES // per_block, 1)) * 0.004).astype(np.float16).view(np.uint8)
+    )
+    return raw.reshape(OUT_FEATURES, -1)
+
+
+@pytest.fixture(params=[GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K], ids=lambda t: t.name)
+def ggml_weight(request) -> tuple[GGML, np.ndarray, torch.Tensor]:
+    """``(type, its GGUF bytes, gguf's own fp32 dequantization)``."""
+    raw = gguf_tensor(request.param, np.random.default_rng(7))
+    reference = torch.from_numpy(
+        gguf.quants.dequantize(raw, request.param).reshape(OUT_FEATURES, IN_FEATURES)
+    )
+    return request.param, raw, reference.float()
+
+
+def test_blocks_hold_the_files_weights(ggml_weight):
+    ggml_type, raw, reference = ggml_weight
+    kind, blocks = to_kernel_blocks(ggml_type, raw, OUT_FEATURES, IN_FEATURES)
+    decoded = cpu_quant.dequantize_ref(kind, blocks, IN_FEATURES)
+    if ggml_type == GGML.Q4_K:  # scale and minimum of each 32 rounded to fp16 (gguf_blocks)
+        torch.testing.assert_close(decoded, reference, rtol=0, atol=float(reference.abs().max()) * 2**-10)
+    else:
+        assert torch.equal(decoded, reference)  # the same numbers, bit for bit
+    # The C decoder agrees with the torch one, also gathering rows (the embedding lookup).
+    assert torch.equal(cpu_quant.quant_dequantize(kind, blocks, IN_FEATURES, torch.float32), decoded)
+    rows = torch.tensor([5, 0, 71, 5])
+    assert torch.equal(
+        cpu_quant.quant_dequantize(kind, blocks, IN_FEATURES, torch.float32, rows=rows), decoded[rows]
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quant_linear_matches_dequantize_then_matmul(ggml_weight, rows, dtype):
+    ggml_type, raw, _ = ggml_weight
+    kind, blocks = to_kernel_blocks(ggml_type, raw, OUT_FEATURES, IN_FEATURES)
+    weight = cpu_quant.dequantize_ref(kind, blocks, IN_FEATURES)
+    bias = torch.randn(OUT_FEATURES)
+    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    layer = QuantLinear(kind, blocks, IN_FEATURES, bias=bias.to(dtype))
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, OUT_FEATURES)
+    if dtype == torch.float32:
+        expected = x @ weight.T + bias
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:  # bf16 weights and activations, fp32 accumulation, one bf16 rounding of the output
+        expected = x.float() @ weight.bfloat16().float().T + bias.bfloat16().float()
+        torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_and_gemm_paths_agree_around_the_switch():
+    """Up to ``KERNEL_MAX_ROWS`` rows the C kernel runs, above it torch's GEMM: one row's result
+    must not depend on how many rows came with it."""
+    rng = np.random.default_rng(3)
+    kind, blocks = to_kernel_blocks(GGML.Q4_1, gguf_tensor(GGML.Q4_1, rng), OUT_FEATURES, IN_FEATURES)
+    layer = QuantLinear(kind, blocks, IN_FEATURES)
+    x = torch.randn(KERNEL_MAX_ROWS + 1, IN_FEATURES)
+    torch.testing.assert_close(layer(x[:KERNEL_MAX_ROWS]), layer(x)[:KERNEL_MAX_ROWS], rtol=1e-5, atol=1e-5)
+
+
+def test_int8_blocks_are_ggmls_q8_0():
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES)
+    blocks = quantize_q8_0(weight)
+    assert np.array_equal(blocks.numpy(), gguf.quants.quantize(weight.numpy(), GGML.Q8_0))
+    decoded = cpu_quant.dequantize_ref(BlockKind.Q8_0, blocks, IN_FEATURES)
+    # Symmetric int8 with a scale per 32: within half a step (amax / 127 / 2) of each weight,
+    # plus the scale's own fp16 rounding (2^-11 of it, times up to 127 steps).
+    step = weight.reshape(OUT_FEATURES, -1, 32).abs().amax(-1, keepdim=True) / 127
+    bound = step * (0.5 + 127 * 2**-11)
+    assert ((decoded - weight).reshape(OUT_FEATURES, -1, 32).abs() <= bound).all()
+    zeros = quantize_q8_0(torch.zeros(2, 64))  # an all-zero group has scale 0, not NaN
+    assert torch.equal(cpu_quant.dequantize_ref(BlockKind.Q8_0, zeros, 64), torch.zeros(2, 64))
+
+
+def test_quant_embedding_looks_up_decoded_rows():
+    weight = torch.randn(50, 64)
+    table = QuantEmbedding(BlockKind.Q8_0, quantize_q8_0(weight), 64, torch.bfloat16)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    decoded = cpu_quant.dequantize_ref(BlockKind.Q8_0, quantize_q8_0(weight), 64)
+    got = table(ids)
+    assert got.shape == (2, 2, 64) and got.dtype == torch.bfloat16
+    assert torch.equal(got, decoded[ids].bfloat16())
+    with pytest.raises(IndexError):
+        table(torch.tensor([50]))
+
+
+def test_bad_blocks_are_refused_with_a_clear_error():
+    blocks = quantize_q8_0(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="do not hold"):
+        QuantLinear(BlockKind.Q4_1, blocks, 64)  # Q8_0 bytes read as Q4_1
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_quant.quant_matmul(torch.randn(1, 60), BlockKind.Q8_0, blocks, 60)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_quant.quant_matmul(torch.randn(1, 64).half(), BlockKind.Q8_0, blocks, 64)
+    with pytest.raises(ValueError, match="no kernel"):
+        to_kernel_blocks(GGML.Q6_K, np.zeros(210, dtype=np.uint8), 1, 256)
