@@ -14,7 +14,7 @@ runs as many torch threads as cores it is given (``pdserve.engine.cpu_resources`
 The router gets the cluster's API keys (``--api-key``, through its environment, never its
 command line) and TLS settings; the cluster checks its health over that TLS, trusting
 ``--ssl-ca-certs`` if given (and then presenting the router's own certificate, which that CA
-must have signed for client use too), else the router's certificate itself (a self-signed one).
+must have signed for client use too), else the router's certificate itself (grpcio accepts a leaf as its own trust anchor).
 The certificate must name ``--host``. ``LocalCluster(router_health_tls=...)`` says otherwise.
 
 The processes are run by ``pdserve.supervisor``: children never outlive the cluster (the kernel
