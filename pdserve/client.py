@@ -6,7 +6,8 @@
         print(delta.text, end="", flush=True)
 
 A router that wants a key gets it from ``api_key`` (default ``$PDSERVE_API_KEY``), sent as
-``authorization: Bearer KEY`` metadata on every call; one that serves TLS is reached with
+``authorization: Bearer KEY`` metadata on every call (with no key at all, the first of
+``$PDSERVE_API_KEYS``, the router's own setting); one that serves TLS is reached with
 ``tls=ClientTls(ca_certs=...)`` (``ClientTls()`` trusts the system's roots):
 
     client = Client("router.example:8000", api_key=key, tls=ClientTls(ca_certs="ca.pem"))
@@ -19,7 +20,6 @@ UNAUTHENTICATED without an accepted key).
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.engine.outputs import Completion
 from pdserve.engine.request import SamplingParams
-from pdserve.router.auth import CLIENT_KEY_ENV, check_key
+from pdserve.router.auth import client_metadata
 from pdserve.tls import ClientTls, grpc_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import sampling_to_proto
@@ -47,11 +47,8 @@ class Delta:
 class Client:
     def __init__(self, address: str, api_key: str | None = None, tls: ClientTls | None = None) -> None:
         self.address = address
-        api_key = api_key if api_key is not None else os.environ.get(CLIENT_KEY_ENV) or None
         # Sent with every call (plain metadata, so it works over plaintext channels too).
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {check_key(api_key, 'api_key')}"),) if api_key else ()
-        )
+        self._metadata = client_metadata(api_key)
         self.channel = grpc_channel(
             address,
             tls,

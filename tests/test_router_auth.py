@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from pdserve import healthcheck
 from pdserve.client import Client
 from pdserve.cluster import LocalCluster
-from pdserve.router.auth import ApiKeys, bearer_key, load_api_keys
+from pdserve.router.auth import ApiKeys, bearer_key, client_metadata, load_api_keys
 from tests.cluster_helpers import TINY_ENGINE_ARGS
 
 MODEL = "tiny"
@@ -77,6 +77,17 @@ def test_bad_keys_are_refused_without_showing_them(tmp_path):
     assert "sk-secret" not in str(refused.value)
     with pytest.raises(ValueError, match="No such file"):
         load_api_keys(None, str(tmp_path / "missing"), {})
+
+
+def test_clients_send_the_given_key_else_one_from_the_environment():
+    assert client_metadata("k1", {}) == (("authorization", "Bearer k1"),)
+    assert client_metadata(None, {"PDSERVE_API_KEY": "k2", "PDSERVE_API_KEYS": "k3"}) == (
+        ("authorization", "Bearer k2"),
+    )
+    assert client_metadata(None, {"PDSERVE_API_KEYS": " k3 ,k4"}) == (("authorization", "Bearer k3"),)
+    assert client_metadata(None, {}) == ()
+    with pytest.raises(ValueError, match="space"):
+        client_metadata("two words", {})
 
 
 def test_router_refuses_to_start_on_a_missing_key_file_with_one_line(tmp_path):

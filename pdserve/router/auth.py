@@ -121,6 +121,21 @@ def load_api_keys(
     return ApiKeys(keys)
 
 
+def client_metadata(
+    api_key: str | None = None, environ: Mapping[str, str] = os.environ
+) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata pdserve's own clients send: ``api_key``, else ``$PDSERVE_API_KEY``, else
+    the first of ``$PDSERVE_API_KEYS`` (a shell that started a router with keys can reach it,
+    and so can the benchmarks, whose routers inherit their environment); empty with none."""
+    if api_key is None:
+        api_key = environ.get(CLIENT_KEY_ENV) or next(
+            (k.strip() for k in environ.get(KEYS_ENV, "").split(",") if k.strip()), None
+        )
+    if not api_key:
+        return ()
+    return (("authorization", f"Bearer {check_key(api_key, 'api_key')}"),)
+
+
 def add_key_args(parser: argparse.ArgumentParser) -> None:
     """The API key options of every command that serves (or starts) a router."""
     parser.add_argument(
