@@ -3,7 +3,7 @@
 A cluster whose router serves TLS with an API key and ``--protect-metrics``: the ``openai``
 SDK trusting the test CA gets a completion, a plaintext client and a client trusting another CA
 are refused, the gRPC client with the CA as root certificates generates, and the health check
-works over TLS. A second cluster requires client certificates on gRPC (mutual TLS). Bad TLS
+works over TLS. A second cluster requires client certificates (mutual TLS) on both doors. Bad TLS
 files stop the router at start with one line.
 """
 
@@ -120,7 +120,8 @@ def test_protect_metrics_puts_health_and_metrics_behind_the_key(cluster, pki):
 def mtls_cluster(tiny_model_dir, pki):
     tls = ServerTls.from_options(pki.server_cert, pki.server_key, pki.ca)
     with LocalCluster(
-        1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS, tls=tls,
+        1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS, tls=tls, http_port=0,
+        router_args=["--served-model-name", MODEL],
         router_health_tls=ClientTls(pki.ca, pki.client_cert, pki.client_key),
     ) as c:  # fmt: skip
         yield c
@@ -135,6 +136,17 @@ def test_mutual_tls_on_grpc_needs_a_client_certificate(mtls_cluster, pki):
         mtls_cluster.router_address, tls=ClientTls(pki.ca, pki.client_cert, pki.client_key)
     ) as client:
         assert len(client.generate(prompt="Hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_mutual_tls_on_http_needs_a_client_certificate(mtls_cluster, pki):
+    with pytest.raises(openai.APIConnectionError):
+        sdk(mtls_cluster.http_url, ssl.create_default_context(cafile=pki.ca)).models.list()
+    context = ssl.create_default_context(cafile=pki.ca)
+    context.load_cert_chain(pki.client_cert, pki.client_key)
+    reply = sdk(mtls_cluster.http_url, context).completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 2
 
 
 # ---------------------------------------------------------------------- bad files
