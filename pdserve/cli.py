@@ -42,11 +42,15 @@ def _generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
     from pdserve.client import Client
+    from pdserve.tls import ClientTls
 
     start = time.perf_counter()
     metrics: dict = {}
     try:
-        with Client(args.router) as client:
+        tls = None
+        if args.tls or args.ssl_ca_certs or args.ssl_certfile:
+            tls = ClientTls(args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile)
+        with Client(args.router, api_key=args.api_key, tls=tls) as client:
             for delta in client.stream(
                 prompt=args.prompt,
                 max_tokens=args.max_tokens,
@@ -61,6 +65,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
                     metrics = delta.metrics
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a bad key or TLS file
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print()
     print(
@@ -111,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--router", default=None, help="send to a running router (HOST:PORT) instead of loading the model"
     )
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (with --router)")
+    gen.add_argument(
+        "--api-key", default=None, help="the router's API key (with --router; default: $PDSERVE_API_KEY)"
+    )
+    gen.add_argument("--tls", action="store_true", help="reach the router over TLS (system roots)")
+    gen.add_argument(
+        "--ssl-ca-certs", default=None, help="PEM roots to verify the router with (implies --tls)"
+    )
+    gen.add_argument(
+        "--ssl-certfile", default=None, help="client certificate, for mutual TLS (implies --tls)"
+    )
+    gen.add_argument("--ssl-keyfile", default=None, help="private key of --ssl-certfile")
     gen.set_defaults(func=_generate)
 
     from pdserve.decode import server as decode_server

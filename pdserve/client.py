@@ -5,9 +5,17 @@
     for delta in client.stream(prompt="Hello", request_id="my-id"):
         print(delta.text, end="", flush=True)
 
+A router that wants a key gets it from ``api_key`` (default ``$PDSERVE_API_KEY``), sent as
+``authorization: Bearer KEY`` metadata on every call (with no key at all, the first of
+``$PDSERVE_API_KEYS``, the router's own setting); one that serves TLS is reached with
+``tls=ClientTls(ca_certs=...)`` (``ClientTls()`` trusts the system's roots):
+
+    client = Client("router.example:8000", api_key=key, tls=ClientTls(ca_certs="ca.pem"))
+
 Bad sampling values raise ValueError before anything is sent. Errors from the server are
 ``grpc.RpcError`` with the router's status code (INVALID_ARGUMENT for bad input,
-UNAVAILABLE when no engine can serve, RESOURCE_EXHAUSTED when the router is full).
+UNAVAILABLE when no engine can serve, RESOURCE_EXHAUSTED when the router is full,
+UNAUTHENTICATED without an accepted key).
 """
 
 from __future__ import annotations
@@ -17,10 +25,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from pdserve.engine.outputs import Completion
 from pdserve.engine.request import SamplingParams
+from pdserve.router.auth import client_metadata
+from pdserve.tls import ClientTls, grpc_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import sampling_to_proto
 
@@ -37,10 +45,13 @@ class Delta:
 
 
 class Client:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tls: ClientTls | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(
+        # Sent with every call (plain metadata, so it works over plaintext channels too).
+        self._metadata = client_metadata(api_key)
+        self.channel = grpc_channel(
             address,
+            tls,
             options=[
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
@@ -95,7 +106,7 @@ class Client:
             messages=[router_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             stop=list(stop),
         )
-        call = self.stub.Generate(request, timeout=timeout)
+        call = self.stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
                 yield Delta(
@@ -127,11 +138,13 @@ class Client:
 
     def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Abort a running request everywhere; False if the router does not know it."""
-        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout).found
+        return self.stub.Abort(
+            common_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self._metadata
+        ).found
 
     def stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """One dict per engine: role, address, kv_usage, num_running, num_waiting, ..."""
-        reply = self.stub.Stats(common_pb2.StatsRequest(), timeout=timeout)
+        reply = self.stub.Stats(common_pb2.StatsRequest(), timeout=timeout, metadata=self._metadata)
         return [_as_dict(engine) for engine in reply.engines]
 
     def close(self) -> None:

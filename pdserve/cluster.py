@@ -11,6 +11,12 @@ Each engine is pinned to its own share of the cores this command may use (``plan
 ``--prefill-cpus`` / ``--decode-cpus`` choose them, ``--no-cpu-placement`` turns it off), and
 runs as many torch threads as cores it is given (``pdserve.engine.cpu_resources``).
 
+The router gets the cluster's API keys (``--api-key``, through its environment, never its
+command line) and TLS settings; the cluster checks its health over that TLS, trusting
+``--ssl-ca-certs`` if given (and then presenting the router's own certificate, which that CA
+must have signed for client use too), else the router's certificate itself (grpcio accepts a leaf as its own trust anchor).
+The certificate must name ``--host``. ``LocalCluster(router_health_tls=...)`` says otherwise.
+
 The processes are run by ``pdserve.supervisor``: children never outlive the cluster (the kernel
 sends each SIGTERM when its parent goes away, and each engine front in turn takes its engine core
 down with it), and they get their own session, so a Ctrl-C in the terminal reaches only the
@@ -31,8 +37,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from pdserve import healthcheck
 from pdserve.config import KV_TRANSPORTS
 from pdserve.engine.cpu_resources import allowed_cpus, format_cpu_list, parse_cpu_list
+from pdserve.router.auth import KEYS_ENV, add_key_args, add_tls_args, check_key, load_api_keys
 from pdserve.supervisor import (
     DEFAULT_GRACE_S,
     StartupStopped,
@@ -42,6 +50,7 @@ from pdserve.supervisor import (
     check_health,
     pick_free_ports,
 )
+from pdserve.tls import ClientTls, ServerTls
 
 __all__ = [
     "ClusterError",
@@ -138,10 +147,15 @@ class ClusterProcess(SupervisedProcess):
         metrics_address: str | None,
         env: dict[str, str],
         cpus: Sequence[int] | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         super().__init__(name, argv, log_path, address=address, env=env, cpus=cpus)
         self.role = role  # "router", "prefill" or "decode"
         self.metrics_address = metrics_address  # host:port of Prometheus /metrics
+        self.tls = tls  # how to reach its gRPC port when it serves TLS (the router)
+
+    def healthy(self) -> bool:
+        return healthcheck.check(self.address, timeout_s=0.5, tls=self.tls)[0]
 
 
 class LocalCluster:
@@ -172,6 +186,9 @@ class LocalCluster:
         policy: str | None = None,
         engine_args: Sequence[str] = (),
         router_args: Sequence[str] = (),
+        api_keys: Sequence[str] = (),
+        tls: ServerTls | None = None,
+        router_health_tls: ClientTls | None = None,
         log_dir: str | None = None,
         log_level: str = "INFO",
         env: dict[str, str] | None = None,
@@ -196,6 +213,10 @@ class LocalCluster:
         self.policy = policy
         self.engine_args = list(engine_args)
         self.router_args = list(router_args)
+        # Keys the router accepts, on top of any its environment gives it ($PDSERVE_API_KEYS).
+        self.api_keys = [check_key(key, "api_keys") for key in api_keys]
+        self.tls = tls  # the router's front doors serve TLS with these
+        self.router_health_tls = router_health_tls  # how start-up checks reach it (default: from tls)
         # {process name: CPUs it is pinned to}, e.g. {"prefill-0": [0], "decode-0": [1]}; given
         # explicitly (bench serve) or split between the engines (``plan_engine_cpus``); the
         # router and unnamed processes run anywhere.
@@ -236,7 +257,7 @@ class LocalCluster:
         """Base URL of the OpenAI-compatible API (``http://HOST:PORT/v1``)."""
         if self.http_port is None:
             raise ValueError("this cluster was started without an HTTP port")
-        return f"http://{self.host}:{self.http_port}/v1"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.http_port}/v1"
 
     @property
     def prefill_addresses(self) -> list[str]:
@@ -312,8 +333,11 @@ class LocalCluster:
         for name, (port, metrics_port) in zip(names, ports, strict=True):
             role = name.split("-")[0]
             argv = [sys.executable, *self._argv(role, port, metrics_port)]
+            env, tls = self.env, None
             if role in ENGINE_ROLES:
                 argv += ["--engine-id", f"{name}-{port}"]
+            else:
+                env, tls = self._router_env(), self._router_health_tls()
             procs.append(
                 ClusterProcess(
                     name,
@@ -322,11 +346,26 @@ class LocalCluster:
                     os.path.join(self.log_dir, f"{name}.log"),
                     address=f"{self.host}:{port}",
                     metrics_address=f"{self.host}:{metrics_port}",
-                    env=self.env,
+                    env=env,
                     cpus=self.cpus.get(name),
+                    tls=tls,
                 )
             )
         return procs
+
+    def _router_env(self) -> dict[str, str]:
+        """The cluster's environment plus its keys: a command line is visible to every user."""
+        if not self.api_keys:
+            return self.env
+        keys = [k for k in self.env.get(KEYS_ENV, "").split(",") if k.strip()] + self.api_keys
+        return {**self.env, KEYS_ENV: ",".join(keys)}
+
+    def _router_health_tls(self) -> ClientTls | None:
+        if self.tls is None or self.router_health_tls is not None:
+            return self.router_health_tls
+        if self.tls.ca_certs is None:
+            return ClientTls(ca_certs=self.tls.certfile)
+        return ClientTls(self.tls.ca_certs, self.tls.certfile, self.tls.keyfile)
 
     def _engine_index(self, name: str) -> int:
         """Position among the engines: the prefill engines first, then the decode engines."""
@@ -349,6 +388,8 @@ class LocalCluster:
                 argv += ["--model", self.model]
             if self.http_port is not None:
                 argv += ["--http-port", str(self.http_port)]
+            if self.tls is not None:
+                argv += self.tls.argv()
             return argv + self.router_args
         argv += ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port)]
         argv += ["--kv-transport", self.kv_transport]
@@ -438,12 +479,30 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not pin the engines: each sees every cpu (and runs as many threads)",
     )
+    add_key_args(parser)
+    add_tls_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"[cluster] {message}", flush=True)
 
+    try:
+        # Checked here, so a bad key or certificate fails before any engine loads a model.
+        keys = load_api_keys(args.api_key, args.api_key_file)
+        tls = ServerTls.from_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+        if args.protect_metrics and not keys:
+            raise ValueError(
+                "--protect-metrics needs an API key (--api-key, --api-key-file or $PDSERVE_API_KEYS)"
+            )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    router_args = shlex.split(args.router_args)
+    if args.api_key_file:
+        router_args += ["--api-key-file", os.path.abspath(args.api_key_file)]
+    if args.protect_metrics:
+        router_args.append("--protect-metrics")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
     try:
         cluster = LocalCluster(
@@ -457,7 +516,9 @@ def main(args: argparse.Namespace) -> int:
             kv_transport=args.kv_transport,
             policy=args.policy,
             engine_args=shlex.split(args.engine_args),
-            router_args=shlex.split(args.router_args),
+            router_args=router_args,
+            api_keys=args.api_key or (),
+            tls=tls,
             log_dir=log_dir,
             # The children log to files: INFO there costs the terminal nothing.
             log_level="DEBUG" if str(getattr(args, "log_level", "")).upper() == "DEBUG" else "INFO",

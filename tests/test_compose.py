@@ -32,11 +32,13 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
 from pdserve import healthcheck
 from pdserve.client import Client
+from pdserve.router.auth import load_api_keys
 from pdserve.supervisor import SupervisedProcess, Supervisor, pick_free_ports
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -130,6 +132,17 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
     return {key: str(value) for key, value in env.items()}
 
 
+def local_environment(service: dict[str, Any], compose: dict[str, Any]) -> dict[str, str]:
+    """The service's environment, with each secret it mounts (``/run/secrets/NAME``) read from its
+    source file instead, as compose's bind mount of that file makes it appear in the container."""
+    sources = {
+        f"/run/secrets/{name}": str(DEPLOY / spec["file"])  # relative to the compose file
+        for name, spec in (compose.get("secrets") or {}).items()
+        if name in (service.get("secrets") or ())
+    }
+    return {key: sources.get(value, value) for key, value in environment(service).items()}
+
+
 def duration_s(value: str) -> float:
     """A compose duration such as ``30s``, ``1m30s`` or ``500ms``, in seconds."""
     units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -207,7 +220,7 @@ def local_services(compose: dict[str, Any], ports: PortMap, log_dir: Path) -> di
             name=name,
             argv=local_argv(split_command(svc["command"]), name, names, ports),
             health_argv=local_argv(healthcheck_command(svc), name, names, ports),
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **environment(svc)},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **local_environment(svc, compose)},
             log_path=log_dir / f"{name}.log",
         )
         for name, svc in services.items()
@@ -299,6 +312,36 @@ def test_docker_compose_config_refuses_to_run_without_a_cluster_token():
     assert "PDSERVE_CLUSTER_TOKEN" in result.stderr
 
 
+def test_docker_compose_config_gives_the_router_keys_from_the_environment_or_a_secrets_file(tmp_path):
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("sk-from-file\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")} | VARIABLES
+    default = yaml.safe_load(_docker_compose("config", env=env).stdout)
+    assert default["secrets"]["pdserve_api_keys"]["file"] == "/dev/null"
+    env |= {"PDSERVE_API_KEYS": "sk-a,sk-b", "PDSERVE_API_KEYS_FILE": str(key_file)}
+    result = _docker_compose("config", env=env)
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    router = resolved["services"]["router"]
+    assert router["environment"]["PDSERVE_API_KEYS"] == "sk-a,sk-b"
+    assert router["environment"]["PDSERVE_API_KEYS_FILE"] == "/run/secrets/pdserve_api_keys"
+    assert [s["source"] if isinstance(s, dict) else s for s in router["secrets"]] == ["pdserve_api_keys"]
+    assert resolved["secrets"]["pdserve_api_keys"]["file"] == str(key_file)
+    assert "PDSERVE_API_KEYS" not in resolved["services"]["prefill-0"]["environment"]  # engines need none
+
+
+def test_router_environment_yields_the_keys_of_both_sources(tmp_path):
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("# rotated monthly\nsk-from-file\n")
+    compose = load_compose(
+        {**VARIABLES, "PDSERVE_API_KEYS": "sk-env", "PDSERVE_API_KEYS_FILE": str(key_file)}
+    )
+    keys = load_api_keys(None, None, local_environment(compose["services"]["router"], compose))
+    assert len(keys) == 2 and keys.accepts("sk-env") and keys.accepts("sk-from-file")
+    compose = load_compose()  # neither: /dev/null, no key
+    assert not load_api_keys(None, None, local_environment(compose["services"]["router"], compose))
+
+
 def test_every_service_is_restarted_healthchecked_and_started_after_healthy_dependencies():
     compose = load_compose()
     for name, svc in compose["services"].items():
@@ -358,10 +401,15 @@ def test_healthcheck_exits_nonzero_when_nothing_serves():
 @pytest.mark.slow
 @pytest.mark.timeout(2 * STARTUP_TIMEOUT_S + REQUEST_TIMEOUT_S + 180)
 def test_compose_commands_serve_a_request_through_prefill_and_decode(tmp_path):
-    compose = load_compose()
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("sk-compose-test\n")
+    compose = load_compose({**VARIABLES, "PDSERVE_API_KEYS_FILE": str(key_file)})
     with compose_up_locally(compose, tmp_path) as (procs, ports):
         router = f"{LOOPBACK}:{ports('router', container_port(compose['services']['router'], '--port'))}"
-        with Client(router) as client:
+        with Client(router, api_key="sk-wrong") as client, pytest.raises(grpc.RpcError) as refused:
+            client.generate(prompt="Hello", max_tokens=1, timeout=REQUEST_TIMEOUT_S)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(router, api_key="sk-compose-test") as client:
             completion = client.generate(
                 prompt=LONG_PROMPT, max_tokens=8, ignore_eos=True, timeout=REQUEST_TIMEOUT_S
             )

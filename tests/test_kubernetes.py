@@ -77,6 +77,11 @@ def test_no_secret_is_written_in_a_manifest(docs):
         ]
         assert "value" not in token
         assert token["valueFrom"]["secretKeyRef"] == {"name": "pdserve-cluster-token", "key": "token"}
+    (keys,) = [
+        e for e in _pod(docs, "pdserve-router")["containers"][0]["env"] if e["name"] == "PDSERVE_API_KEYS"
+    ]
+    assert "value" not in keys
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "pdserve-api-keys", "key": "keys"}
 
 
 def test_containers_are_locked_down_sized_and_probed_on_the_grpc_health_service(docs):

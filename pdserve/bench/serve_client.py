@@ -25,8 +25,10 @@ async def run_requests(
     """Send each spec at its arrival time (open loop) and stream it to the end."""
     import grpc
 
+    from pdserve.router.auth import client_metadata
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+    metadata = client_metadata()  # a router that wants a key: $PDSERVE_API_KEY(S)
     results = [RequestResult(spec) for spec in specs]
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
@@ -45,7 +47,7 @@ async def run_requests(
             )
             result.sent = time.perf_counter()
             try:
-                async for message in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
+                async for message in stub.Generate(request, timeout=REQUEST_TIMEOUT_S, metadata=metadata):
                     if message.token_ids:
                         result.token_times.append((time.perf_counter(), len(message.token_ids)))
                     if message.HasField("metrics"):

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.router.auth import OPEN_HTTP_PATHS, ApiKeys, HttpKeyMiddleware
 from pdserve.router.openai_protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -41,6 +42,7 @@ from pdserve.router.openai_protocol import (
     _SamplingRequest,
 )
 from pdserve.router.service import LiveRequest, PreparedRequest, RouterError, RouterServicer
+from pdserve.tls import ServerTls
 from pdserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
@@ -106,10 +108,21 @@ class Choice:
 
 
 class OpenAIServer:
+    """The app and its uvicorn server. With ``keys``, every path but the open ones (``/health``
+    and ``/metrics``, unless ``protect_metrics``) needs ``Authorization: Bearer KEY``; with
+    ``tls``, uvicorn serves HTTPS only."""
+
     def __init__(
-        self, servicer: RouterServicer, served_model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+        self,
+        servicer: RouterServicer,
+        served_model_name: str,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        keys: ApiKeys | None = None,
+        protect_metrics: bool = False,
+        tls: ServerTls | None = None,
     ) -> None:
         self.servicer = servicer
+        self.tls = tls
         self.metrics = servicer.metrics
         self.model_name = served_model_name
         self.max_body_bytes = max_body_bytes
@@ -123,7 +136,11 @@ class OpenAIServer:
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         app.add_exception_handler(OpenAIError, _openai_error_response)
         app.add_exception_handler(StarletteHTTPException, _http_error_response)
-        self.app = _CountRequests(app, self.metrics)
+        gated: Callable = app
+        if keys:
+            gated = HttpKeyMiddleware(app, keys, () if protect_metrics else OPEN_HTTP_PATHS)
+        # Outermost, so refusals (401) are counted too.
+        self.app = _CountRequests(gated, self.metrics)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -138,6 +155,7 @@ class OpenAIServer:
             access_log=False,
             log_level="warning",
             timeout_graceful_shutdown=5,
+            **(self.tls.uvicorn_options() if self.tls else {}),
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(), name="http-front")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -54,5 +59,25 @@ class RouterMetrics:
             registry=self.registry,
         )
 
-    def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, gate: Callable[[Callable], Callable] | None = None) -> None:
+        """Serve /metrics on ``host:port`` from a thread; ``gate`` wraps the WSGI app (an API key check).
+
+        A gated app is served by this module's own server rather than prometheus_client's, whose
+        app is fixed once its thread serves: no request may reach the ungated app in between.
+        """
+        if gate is None:
+            start_http_server(port, addr=host, registry=self.registry)
+            return
+        server = make_server(
+            host, port, gate(make_wsgi_app(self.registry)), _ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """No access log on stderr (a scrape every few seconds)."""

@@ -1,5 +1,9 @@
 """``pdserve router``: the front doors of a P/D cluster: gRPC, and with ``--http-port`` the
-OpenAI-compatible HTTP API, both on one event loop over one engine pool and request path."""
+OpenAI-compatible HTTP API, both on one event loop over one engine pool and request path.
+
+Both doors take the same API keys (``pdserve.router.auth``) and the same TLS settings
+(``pdserve.tls``), checked before anything starts: a bad key file or certificate is a one-line
+error and exit code 2."""
 
 from __future__ import annotations
 
@@ -14,12 +18,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.router.auth import (
+    KEYS_ENV,
+    ApiKeys,
+    GrpcKeyInterceptor,
+    add_key_args,
+    add_tls_args,
+    load_api_keys,
+    wsgi_key_gate,
+)
 from pdserve.router.engines import DEFAULT_DISCOVERY_INTERVAL_S, EnginePool
 from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import POLICIES, RoutingPolicy
 from pdserve.router.service import RouterServicer
 from pdserve.router.trace import TraceLog
+from pdserve.tls import ServerTls
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -85,6 +99,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="append one JSON line per finished request: its timeline (router, prefill, decode, KV pull events)",
     )
+    add_key_args(parser)
+    add_tls_args(parser)
 
 
 def served_model_name(model: str | None) -> str:
@@ -95,8 +111,14 @@ def served_model_name(model: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
-async def serve_router(args: argparse.Namespace) -> None:
+async def serve_router(
+    args: argparse.Namespace, keys: ApiKeys | None = None, tls: ServerTls | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT; ``keys`` and ``tls`` as ``main`` loaded and checked them."""
     from pdserve.engine.model.loader import load_tokenizer
+
+    keys = keys or ApiKeys()
+    protect_metrics = bool(getattr(args, "protect_metrics", False))
 
     tokenizer = load_tokenizer(args.model)
     pool = EnginePool(
@@ -104,13 +126,15 @@ async def serve_router(args: argparse.Namespace) -> None:
     )
     metrics = RouterMetrics()
     if args.metrics_port is not None:
-        metrics.serve(args.host, args.metrics_port)
+        gate = (lambda app: wsgi_key_gate(app, keys)) if keys and protect_metrics else None
+        metrics.serve(args.host, args.metrics_port, gate)
     trace = TraceLog(args.trace_file)
     servicer = RouterServicer(
         pool, tokenizer, RoutingPolicy(args.policy), metrics, args.disagg_min_tokens, args.max_inflight, trace
     )
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)]
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],
+        interceptors=[GrpcKeyInterceptor(keys)] if keys else None,
     )
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -124,12 +148,20 @@ async def serve_router(args: argparse.Namespace) -> None:
     for service in ("", ROUTER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{args.host}:{args.port}"
-    server.add_insecure_port(address)
+    if tls is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, tls.grpc_credentials())
     await server.start()
     http: OpenAIServer | None = None
     if args.http_port is not None:
         http = OpenAIServer(
-            servicer, args.served_model_name or served_model_name(args.model), args.max_request_body_bytes
+            servicer,
+            args.served_model_name or served_model_name(args.model),
+            args.max_request_body_bytes,
+            keys=keys,
+            protect_metrics=protect_metrics,
+            tls=tls,
         )
         await http.start(args.host, args.http_port)
     pool.start()
@@ -140,9 +172,23 @@ async def serve_router(args: argparse.Namespace) -> None:
         await asyncio.sleep(0.2)
     for service in ("", ROUTER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("router serving on %s (%d engines, policy %s)", address, len(pool.engines), args.policy)
+    logger.info(
+        "router serving on %s (%d engines, policy %s, %d API keys, %s)",
+        address,
+        len(pool.engines),
+        args.policy,
+        len(keys),
+        "TLS" if tls else "plaintext",
+    )
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "no API key: anyone who can reach %s can use this router (see --api-key, $%s)",
+            args.host,
+            KEYS_ENV,
+        )
     if http is not None:
-        print(f"pdserve router HTTP (OpenAI API) on http://{args.host}:{args.http_port}/v1", flush=True)
+        scheme = "https" if tls else "http"
+        print(f"pdserve router HTTP (OpenAI API) on {scheme}://{args.host}:{args.http_port}/v1", flush=True)
     print(f"pdserve router ready on {address}", flush=True)
 
     stop = asyncio.Event()
@@ -162,8 +208,14 @@ def _addresses(value: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        asyncio.run(serve_router(args))
-    except ValueError as exc:  # a malformed --prefill / --decode / --dns-server entry
+        keys = load_api_keys(args.api_key, args.api_key_file)
+        tls = ServerTls.from_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+        if args.protect_metrics and not keys:
+            raise ValueError(
+                "--protect-metrics needs an API key (--api-key, --api-key-file or $PDSERVE_API_KEYS)"
+            )
+        asyncio.run(serve_router(args, keys, tls))
+    except ValueError as exc:  # a bad key or TLS file; a malformed --prefill / --decode / --dns-server entry
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
