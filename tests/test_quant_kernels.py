@@ -81,9 +81,12 @@ def test_quant_linear_matches_dequantize_then_matmul(ggml_weight, rows, dtype):
     if dtype == torch.float32:
         expected = x @ weight.T + bias
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    else:  # bf16 weights and activations, fp32 accumulation, one bf16 rounding of the output
-        expected = x.float() @ weight.bfloat16().float().T + bias.bfloat16().float()
-        torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    else:
+        # bf16 activations, fp32 accumulation, one bf16 rounding of the output; the weights are
+        # exact (1-3 rows) or rounded to bf16 (4 or more, as a dense bf16 copy would hold them).
+        expected = x.float() @ weight.T + bias.bfloat16().float()
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
 
 
 def test_kernel_and_gemm_paths_agree_around_the_switch():

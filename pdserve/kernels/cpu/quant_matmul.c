@@ -8,11 +8,16 @@
  *   Q8_0: fp16 d, int8 qs[32]            w[j] = d * qs[j]                (34 bytes / 32 weights)
  * Q4_0 and Q4_K are converted to Q4_1 at load (see pdserve/engine/model/gguf_blocks.py).
  *
- * Activations are computed in fp32: a bf16 x is widened exactly, and each weight block is decoded
- * to fp32 once (one fma: d * q + m) and used against up to ROWS_PER_TILE rows of x. A decode
- * step at batch 1-8 reads every weight once, so the point is to stream 5 (Q4_1) or 8.5 (Q8_0)
- * bits a weight instead of 16 (bf16) and keep the decode cheap enough to stay near the memory
- * floor. Rows of W are split between OpenMP threads.
+ * Each weight block is decoded once (one fma: d * q + m, in fp32) and used against up to
+ * ROWS_PER_TILE rows of x. Two routes:
+ *   fp32: x in fp32 (a bf16 x widened exactly), fp32 fmas: exact weights. fp32 activations, and
+ *         bf16 ones up to FP32_ROUTE_MAX_ROWS rows, where decoding the blocks is the cost;
+ *   bf16: the decoded block rounded to bf16 (as a dense bf16 copy of the same weights holds it),
+ *         then one vdpbf16ps (32 multiply-adds) per row: bf16 activations in larger batches,
+ *         which are bound by arithmetic (AVX512-BF16 CPUs only).
+ * A decode step at batch 1-8 reads every weight once, so the point is to stream 5 (Q4_1) or 8.5
+ * (Q8_0) bits a weight instead of 16 (bf16) and keep the decode cheap enough to stay near the
+ * memory floor. Rows of W are split between OpenMP threads.
  *
  * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu_quant.py);
  * the AVX-512 path is chosen by the compiler's own feature macros, and plain C (auto-vectorised)
@@ -30,6 +35,7 @@
 #define Q4_1_BYTES 20
 #define Q8_0_BYTES 34
 #define ROWS_PER_TILE 8
+#define FP32_ROUTE_MAX_ROWS 3
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__)
@@ -255,7 +261,9 @@ void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t 
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
 #if defined(__AVX512BF16__)
-    if (x_is_bf16) {
+    /* Up to three rows are bound by decoding the blocks, which the fp32 route does in fewer
+     * instructions (no bf16 packing); from four rows on, vdpbf16ps's doubled arithmetic wins. */
+    if (x_is_bf16 && M > FP32_ROUTE_MAX_ROWS) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t n = 0; n < N; n++) {
             float dot[ROWS_PER_TILE];
