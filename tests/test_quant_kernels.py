@@ -9,6 +9,9 @@ bf16-rounded weights (what a dense bf16 copy of the same file computes).
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -135,3 +138,28 @@ def test_bad_blocks_are_refused_with_a_clear_error():
         cpu_quant.quant_matmul(torch.randn(1, 64).half(), BlockKind.Q8_0, blocks, 64)
     with pytest.raises(ValueError, match="no kernel"):
         to_kernel_blocks(GGML.Q6_K, np.zeros(210, dtype=np.uint8), 1, 256)
+
+
+def test_without_a_compiler_the_modules_fall_back_to_the_torch_reference(monkeypatch, tmp_path):
+    """A host with no C compiler still serves quantized weights (slower), with the same results;
+    a cache directory that cannot be written falls back to a temporary one."""
+    rng = np.random.default_rng(5)
+    kind, blocks = to_kernel_blocks(GGML.Q4_1, gguf_tensor(GGML.Q4_1, rng), OUT_FEATURES, IN_FEATURES)
+    x = torch.randn(3, IN_FEATURES)
+    with_kernel = QuantLinear(kind, blocks, IN_FEATURES)(x)
+    table = QuantEmbedding(BlockKind.Q8_0, quantize_q8_0(torch.randn(20, 64)), 64, torch.float32)
+    looked_up = table(torch.tensor([4, 19]))
+
+    monkeypatch.setattr(cpu_quant, "_library", None)
+    monkeypatch.setattr(cpu_quant, "_load_error", "no C compiler (cc, gcc or clang) on PATH")
+    assert not cpu_quant.available()
+    fallback = QuantLinear(kind, blocks, IN_FEATURES)
+    assert not fallback.use_kernel
+    torch.testing.assert_close(fallback(x), with_kernel, rtol=1e-5, atol=1e-5)
+    assert torch.equal(table(torch.tensor([4, 19])), looked_up)
+
+    # A cache path that cannot be made (a file in the way: as unwritable to root as to anyone).
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocker / "kernels"))
+    assert cpu_quant._cache_dir().parent == Path(tempfile.gettempdir())

@@ -56,7 +56,16 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+    """``$PDSERVE_KERNEL_CACHE``, else ``~/.cache/pdserve/kernels``; a temporary directory where
+    that cannot be written (a container with a read-only root filesystem and a writable /tmp)."""
+    chosen = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+    try:
+        chosen.mkdir(parents=True, exist_ok=True)
+        if os.access(chosen, os.W_OK):
+            return chosen
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
 
 
 def _build(compiler: str) -> Path:
