@@ -163,3 +163,18 @@ def test_without_a_compiler_the_modules_fall_back_to_the_torch_reference(monkeyp
     blocker.write_text("")
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocker / "kernels"))
     assert cpu_quant._cache_dir().parent == Path(tempfile.gettempdir())
+
+
+@pytest.mark.parametrize("in_features", [32, 96, 608], ids=["1-block", "3-blocks", "19-blocks"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_odd_block_counts_and_partial_scale_groups(in_features, rows):
+    """The kernels load two blocks' nibbles and 16 blocks' scales at a time: rows whose block count
+    is odd, or not a multiple of 16, must not read past them (bf16: the pair-wise route)."""
+    weights = np.random.default_rng(in_features).standard_normal((40, in_features)).astype(np.float32)
+    kind, blocks = to_kernel_blocks(GGML.Q4_1, gguf.quants.quantize(weights, GGML.Q4_1), 40, in_features)
+    reference = cpu_quant.dequantize_ref(kind, blocks, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = cpu_quant.quant_matmul(x.to(dtype), kind, blocks, in_features).float()
+        expected = x.to(dtype).float() @ reference.T
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))

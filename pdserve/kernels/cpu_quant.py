@@ -7,8 +7,10 @@ on tensors' data pointers: the kernels need no torch headers, which would cost a
 compile time per build. Where no compiler is found, ``available()`` is False and the quantized
 modules fall back to the torch reference here (correct, slower).
 
-Block layouts are GGUF's own: ``Q4_1`` (fp16 d, fp16 m, 16 bytes of nibbles: 20 bytes a block
-of 32 weights) and ``Q8_0`` (fp16 d, 32 int8: 34 bytes).
+Block layouts are GGUF's: ``Q8_0`` as it is (fp16 d, 32 int8: 34 bytes a block of 32 weights);
+``Q4_1`` (fp16 d, fp16 m, 16 bytes of nibbles: 20 bytes) with each row's bytes regrouped as
+``[every block's 16 nibble bytes][every d][every m]`` (``q4_1_rows_from_blocks``), so that the
+kernel loads consecutive blocks' nibbles, and 16 blocks' scales, as one vector each.
 """
 
 from __future__ import annotations
@@ -194,19 +196,33 @@ def quant_dequantize(
 def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``."""
     _check(kind, blocks, in_features)
-    rows = blocks.shape[0]
-    per_block = blocks.view(rows, in_features // BLOCK_SIZE, kind.block_bytes)
+    rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
     if kind is BlockKind.Q4_1:
-        scale = per_block[..., 0:2].contiguous().view(torch.float16).float()
-        minimum = per_block[..., 2:4].contiguous().view(torch.float16).float()
-        nibbles = per_block[..., 4:].to(torch.int32)
+        nibbles = blocks[:, : in_features // 2].reshape(rows, num_blocks, 16).to(torch.int32)
+        scales = blocks[:, in_features // 2 :].contiguous().view(torch.float16).float()
+        scale, minimum = scales[:, :num_blocks, None], scales[:, num_blocks:, None]
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
         weights = q * scale + minimum
     else:
+        per_block = blocks.view(rows, num_blocks, kind.block_bytes)
         scale = per_block[..., 0:2].contiguous().view(torch.float16).float()
         q = per_block[..., 2:].contiguous().view(torch.int8).float()
         weights = q * scale
     return weights.reshape(rows, in_features)
+
+
+def q4_1_rows_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks ``[rows, num_blocks, 20]`` (d, m, 16 nibble bytes) as the kernel's rows:
+    ``[rows, num_blocks * 20]`` holding every nibble byte, then every d, then every m."""
+    rows = blocks.shape[0]
+    return torch.cat(
+        [
+            blocks[..., 4:].reshape(rows, -1),
+            blocks[..., 0:2].reshape(rows, -1),
+            blocks[..., 2:4].reshape(rows, -1),
+        ],
+        dim=1,
+    ).contiguous()
 
 
 def quant_matmul_ref(

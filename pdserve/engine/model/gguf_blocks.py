@@ -3,7 +3,8 @@
 The kernels (``pdserve.kernels.cpu_quant``) take two layouts, GGUF's own bytes:
 
 * ``Q8_0`` is kept as it is: ``d * q`` per 32 weights.
-* ``Q4_1`` is kept as it is: ``d * q + m`` per 32 weights.
+* ``Q4_1`` is kept as it is, ``d * q + m`` per 32 weights, each row's bytes regrouped (all
+  nibbles, then all scales, then all minima) for the kernel's vector loads.
 * ``Q4_0`` (``d * (q - 8)``) becomes Q4_1 with ``m = -8 d``: the same numbers (8 d is exact in fp16
   unless it overflows, which ``to_kernel_blocks`` checks).
 * ``Q4_K`` (per 256: fp16 ``d``, ``dmin``, eight 6-bit scales and mins; per 32: ``d * sc * q - dmin
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind
+from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind, q4_1_rows_from_blocks
 
 _Q4_0_BYTES = 18
 _Q4_K_BYTES = 144  # per 256 weights
@@ -101,7 +102,10 @@ def to_kernel_blocks(
     else:
         blocks = _q4_k_to_q4_1(raw)
     kind = KERNEL_KIND[tensor_type]
-    return kind, torch.from_numpy(blocks.reshape(rows, in_features // BLOCK_SIZE * kind.block_bytes))
+    held = torch.from_numpy(blocks.reshape(rows, in_features // BLOCK_SIZE, kind.block_bytes))
+    if kind is BlockKind.Q4_1:
+        return kind, q4_1_rows_from_blocks(held)  # the same bytes, regrouped per row
+    return kind, held.reshape(rows, -1)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:

@@ -2,16 +2,23 @@
  * Weight-only quantized matmuls for the CPU engine: y[M, N] = x[M, K] @ W[N, K]^T with W kept
  * in GGUF's own blocks of 32 weights along K, decoded in registers and never materialised.
  *
- * Two block layouts (the ones llama.cpp writes, byte for byte):
- *   Q4_1: fp16 d, fp16 m, uint8 qs[16]   w[j] = d * q[j] + m, q[j] = qs[j] & 15 (j < 16),
- *                                        q[j + 16] = qs[j] >> 4           (20 bytes / 32 weights)
- *   Q8_0: fp16 d, int8 qs[32]            w[j] = d * qs[j]                (34 bytes / 32 weights)
+ * Two layouts of GGUF's blocks:
+ *   Q4_1: w[j] = d * q[j] + m per 32 weights, with q[j] = qs[j] & 15 and q[j + 16] = qs[j] >> 4
+ *         (j < 16): GGUF's bytes (fp16 d, fp16 m, 16 qs: 20 bytes / 32 weights) regrouped per
+ *         row as [all qs: K / 2 bytes][all d: K / 32 fp16][all m: K / 32 fp16], so that the
+ *         nibbles of consecutive blocks, and 16 blocks' scales, are each one vector load;
+ *   Q8_0: GGUF's own blocks, fp16 d then int8 qs[32] (34 bytes / 32 weights), w[j] = d * qs[j].
  * Q4_0 and Q4_K are converted to Q4_1 at load (see pdserve/engine/model/gguf_blocks.py).
  *
- * Each weight block is decoded once (one fma: d * q + m, in fp32) and used against up to
- * ROWS_PER_TILE rows of x. Two routes:
- *   fp32: x in fp32 (a bf16 x widened exactly), fp32 fmas: exact weights. fp32 activations, and
- *         bf16 ones up to FP32_ROUTE_MAX_ROWS rows, where decoding the blocks is the cost;
+ * Three routes:
+ *   lut:  bf16 activations, Q4_1, up to LUT_ROUTE_MAX_ROWS rows (decode steps of one to a few
+ *         sequences, bound by decoding the blocks): the nibbles of two blocks become their bf16
+ *         values (exact: 0-15) through one vpermw each, one vdpbf16ps per half multiplies them by
+ *         x, and d and m are applied per block in fp32 (m through x's block sums): exact
+ *         weights, about half the instructions of decoding to fp32;
+ *   fp32: x in fp32 (a bf16 x widened exactly), each block decoded once (one fma: d * q + m) and
+ *         used against up to ROWS_PER_TILE rows with fp32 fmas: exact weights (fp32 activations,
+ *         and small bf16 batches of Q8_0);
  *   bf16: the decoded block rounded to bf16 (as a dense bf16 copy of the same weights holds it),
  *         then one vdpbf16ps (32 multiply-adds) per row: bf16 activations in larger batches,
  *         which are bound by arithmetic (AVX512-BF16 CPUs only).
@@ -36,6 +43,7 @@
 #define Q8_0_BYTES 34
 #define ROWS_PER_TILE 8
 #define FP32_ROUTE_MAX_ROWS 3
+#define LUT_ROUTE_MAX_ROWS 3
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__)
@@ -94,40 +102,59 @@ static inline void store(void *out, int out_is_bf16, int64_t index, float value)
         ((float *)out)[index] = value;
 }
 
-/* Decode one block into two halves of 16 fp32 weights (elements 0-15 and 16-31). */
-#if defined(__AVX512F__)
-static inline void decode_q4_1(const uint8_t *block, __m512 *lo, __m512 *hi) {
-    const uint16_t *head = (const uint16_t *)block;
-    __m512 d = _mm512_set1_ps(fp16_to_fp32(head[0]));
-    __m512 m = _mm512_set1_ps(fp16_to_fp32(head[1]));
-    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
-    __m512 q_lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-    __m512 q_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-    *lo = _mm512_fmadd_ps(q_lo, d, m);
-    *hi = _mm512_fmadd_ps(q_hi, d, m);
+/* Where block b of a row is: Q4_1's nibbles, scale and minimum live in three regions of the row
+ * (see the header); a Q8_0 block is contiguous (d, then qs). */
+typedef struct {
+    const uint8_t *qs;
+    uint16_t d, m;
+} BlockRef;
+
+static inline BlockRef block_ref(int kind, const uint8_t *w_row, int64_t K, int64_t b) {
+    BlockRef ref;
+    if (kind == 0) {
+        const uint16_t *d = (const uint16_t *)(w_row + K / 2);
+        ref.qs = w_row + b * 16;
+        ref.d = d[b];
+        ref.m = d[K / QK + b];
+    } else {
+        const uint8_t *block = w_row + b * Q8_0_BYTES;
+        ref.qs = block + 2;
+        ref.d = *(const uint16_t *)block;
+        ref.m = 0;
+    }
+    return ref;
 }
 
-static inline void decode_q8_0(const uint8_t *block, __m512 *lo, __m512 *hi) {
-    __m512 d = _mm512_set1_ps(fp16_to_fp32(*(const uint16_t *)block));
-    __m512i q_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2)));
-    __m512i q_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 18)));
-    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), d);
-    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), d);
+/* Decode one block into two halves of 16 fp32 weights (elements 0-15 and 16-31). */
+#if defined(__AVX512F__)
+static inline void decode_block(int kind, BlockRef ref, __m512 *lo, __m512 *hi) {
+    __m512 d = _mm512_set1_ps(fp16_to_fp32(ref.d));
+    if (kind == 0) {
+        __m512 m = _mm512_set1_ps(fp16_to_fp32(ref.m));
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ref.qs));
+        __m512 q_lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+        __m512 q_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        *lo = _mm512_fmadd_ps(q_lo, d, m);
+        *hi = _mm512_fmadd_ps(q_hi, d, m);
+    } else {
+        __m512i q_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)ref.qs));
+        __m512i q_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ref.qs + 16)));
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), d);
+    }
 }
 #endif
 
-static inline void decode_scalar(int kind, const uint8_t *block, float *w) {
+static inline void decode_scalar(int kind, BlockRef ref, float *w) {
+    float d = fp16_to_fp32(ref.d);
     if (kind == 0) {
-        const uint16_t *head = (const uint16_t *)block;
-        float d = fp16_to_fp32(head[0]), m = fp16_to_fp32(head[1]);
-        const uint8_t *qs = block + 4;
+        float m = fp16_to_fp32(ref.m);
         for (int j = 0; j < 16; j++) {
-            w[j] = (float)(qs[j] & 15) * d + m;
-            w[j + 16] = (float)(qs[j] >> 4) * d + m;
+            w[j] = (float)(ref.qs[j] & 15) * d + m;
+            w[j + 16] = (float)(ref.qs[j] >> 4) * d + m;
         }
     } else {
-        float d = fp16_to_fp32(*(const uint16_t *)block);
-        const int8_t *qs = (const int8_t *)(block + 2);
+        const int8_t *qs = (const int8_t *)ref.qs;
         for (int j = 0; j < QK; j++) w[j] = (float)qs[j] * d;
     }
 }
@@ -138,7 +165,6 @@ static inline int block_bytes(int kind) { return kind == 0 ? Q4_1_BYTES : Q8_0_B
  * into a switch on constant (kind, rows), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void row_dots(int kind, const uint8_t *w_row, int64_t blocks,
                                                            const float *x, int64_t K, int rows, float *dot) {
-    const int bytes = block_bytes(kind);
 #if defined(__AVX512F__)
     /* Each row's sum runs the same way whatever the tile's size (two chains: weights 0-15 and
      * 16-31 of every block), so a request's logits do not depend on what it is batched with. */
@@ -146,10 +172,7 @@ static inline __attribute__((always_inline)) void row_dots(int kind, const uint8
     for (int r = 0; r < rows; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512 lo, hi;
-        if (kind == 0)
-            decode_q4_1(w_row + b * bytes, &lo, &hi);
-        else
-            decode_q8_0(w_row + b * bytes, &lo, &hi);
+        decode_block(kind, block_ref(kind, w_row, K, b), &lo, &hi);
         const float *xb = x + b * QK;
         for (int r = 0; r < rows; r++) {
             acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + r * K), acc_lo[r]);
@@ -161,7 +184,7 @@ static inline __attribute__((always_inline)) void row_dots(int kind, const uint8
     float w[QK];
     for (int r = 0; r < rows; r++) dot[r] = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
-        decode_scalar(kind, w_row + b * bytes, w);
+        decode_scalar(kind, block_ref(kind, w_row, K, b), w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + r * K + b * QK;
             float s = 0.0f;
@@ -176,26 +199,23 @@ static inline __attribute__((always_inline)) void row_dots(int kind, const uint8
 /* The bf16 path: each block decoded once to bf16 (d * q + m rounded as a dense bf16 copy of the
  * same weights would be), then one vdpbf16ps (32 multiply-adds) per row of x. Twice the fp32
  * path's arithmetic per instruction, which is what batches of 2-8 rows are bound by. */
-static inline __m512bh decode_bf16(int kind, const uint8_t *block) {
+static inline __m512bh decode_bf16(int kind, BlockRef ref) {
     __m512 lo, hi;
-    if (kind == 0)
-        decode_q4_1(block, &lo, &hi);
-    else
-        decode_q8_0(block, &lo, &hi);
+    decode_block(kind, ref, &lo, &hi);
     return _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15 from lo, 16-31 from hi */
 }
 
 static inline __attribute__((always_inline)) void row_dots_bf16(int kind, const uint8_t *w_row, int64_t blocks,
                                                                 const uint16_t *x, int64_t K, int rows,
                                                                 float *dot) {
-    const int bytes = block_bytes(kind);
     /* Two chains per row (even and odd blocks), the same for every tile size: a row's result
      * does not depend on what it is batched with. */
     __m512 even[ROWS_PER_TILE], odd[ROWS_PER_TILE];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
-        __m512bh w0 = decode_bf16(kind, w_row + b * bytes), w1 = decode_bf16(kind, w_row + (b + 1) * bytes);
+        __m512bh w0 = decode_bf16(kind, block_ref(kind, w_row, K, b)),
+                 w1 = decode_bf16(kind, block_ref(kind, w_row, K, b + 1));
         for (int r = 0; r < rows; r++) {
             const uint16_t *xb = x + r * K + b * QK;
             even[r] = _mm512_dpbf16_ps(even[r], w0, (__m512bh)_mm512_loadu_si512(xb));
@@ -203,7 +223,7 @@ static inline __attribute__((always_inline)) void row_dots_bf16(int kind, const 
         }
     }
     if (b < blocks) {
-        __m512bh w = decode_bf16(kind, w_row + b * bytes);
+        __m512bh w = decode_bf16(kind, block_ref(kind, w_row, K, b));
         for (int r = 0; r < rows; r++)
             even[r] = _mm512_dpbf16_ps(even[r], w, (__m512bh)_mm512_loadu_si512(x + r * K + b * QK));
     }
@@ -228,6 +248,92 @@ static void row_dots_bf16_dispatch(int kind, const uint8_t *w_row, int64_t block
             ROWS_CASE_BF16(1, 5) ROWS_CASE_BF16(1, 6) ROWS_CASE_BF16(1, 7) ROWS_CASE_BF16(1, 8)
         }
     }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* The lut route (Q4_1, bf16 x, a few rows). x is given rearranged per pair of blocks as
+ * [b: 0-15][b+1: 0-15][b: 16-31][b+1: 16-31] (so one zero-extended load of two blocks' nibble
+ * bytes lines up with it), and xsum[r][b] is the sum of row r's x over block b (for m). */
+static inline __attribute__((always_inline)) void row_dots_lut(const uint8_t *w_row, int64_t blocks, int64_t K,
+                                                               const uint16_t *xr, int64_t xr_stride,
+                                                               const float *xsum, int64_t xsum_stride, int rows,
+                                                               float *dot) {
+    /* bf16 of 0..15: exact, so the products q * x are exact in the fp32 accumulation. */
+    const __m512i lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                         0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+                                         0x4040, 0x4000, 0x3F80, 0x0000);
+    const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low_nibble = _mm512_set1_epi16(15);
+    const uint16_t *d_all = (const uint16_t *)(w_row + K / 2), *m_all = d_all + blocks;
+    __m512 acc[LUT_ROUTE_MAX_ROWS], acc_m[LUT_ROUTE_MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < blocks; g += 16) {
+        const int64_t in_group = blocks - g < 16 ? blocks - g : 16;
+        const __mmask16 group_mask = (__mmask16)((1u << in_group) - 1);
+        const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(group_mask, d_all + g));
+        const __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(group_mask, m_all + g));
+        for (int r = 0; r < rows; r++)
+            acc_m[r] = _mm512_fmadd_ps(m16, _mm512_maskz_loadu_ps(group_mask, xsum + r * xsum_stride + g), acc_m[r]);
+        for (int64_t p = 0; p < in_group; p += 2) {
+            const int64_t b = g + p;
+            /* The last block of an odd row has no partner: load its 16 bytes only (x is zero there). */
+            const __mmask32 byte_mask = b + 1 < blocks ? 0xffffffffu : 0x0000ffffu;
+            const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(byte_mask, w_row + b * 16));
+            const __m512bh q_lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_nibble), lut);
+            const __m512bh q_hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), lut);
+            const __m512 d_pair = _mm512_permutexvar_ps(_mm512_add_epi32(pair_lanes, _mm512_set1_epi32((int)p)), d16);
+            for (int r = 0; r < rows; r++) {
+                const uint16_t *xp = xr + r * xr_stride + b * QK;
+                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q_lo, (__m512bh)_mm512_loadu_si512(xp));
+                t = _mm512_dpbf16_ps(t, q_hi, (__m512bh)_mm512_loadu_si512(xp + QK));
+                acc[r] = _mm512_fmadd_ps(t, d_pair, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) dot[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_m[r]);
+}
+
+/* x [M, K] bf16 rearranged for row_dots_lut (odd tails padded with zeros: K rounded up to 64
+ * per row), and its per-block sums [M, blocks rounded up to 16]. */
+static void lut_prepare(const uint16_t *x, int64_t M, int64_t K, uint16_t *xr, int64_t xr_stride, float *xsum,
+                        int64_t xsum_stride) {
+    const int64_t blocks = K / QK;
+    memset(xr, 0, (size_t)(M * xr_stride) * sizeof(uint16_t));
+    memset(xsum, 0, (size_t)(M * xsum_stride) * sizeof(float));
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *row = x + r * K;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t pair = b / 2, second = b % 2;
+            uint16_t *dst = xr + r * xr_stride + pair * 2 * QK;
+            memcpy(dst + second * 16, row + b * QK, 16 * sizeof(uint16_t));
+            memcpy(dst + QK + second * 16, row + b * QK + 16, 16 * sizeof(uint16_t));
+            float sum = 0.0f;
+            for (int j = 0; j < QK; j++) sum += bf16_to_fp32(row[b * QK + j]);
+            xsum[r * xsum_stride + b] = sum;
+        }
+    }
+}
+
+static void lut_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y,
+                       int y_is_bf16, int threads) {
+    const int64_t blocks = K / QK, row_bytes = blocks * Q4_1_BYTES;
+    const int64_t xr_stride = (blocks + 1) / 2 * 2 * QK, xsum_stride = (blocks + 15) / 16 * 16;
+    uint16_t *xr = (uint16_t *)malloc((size_t)(M * xr_stride) * sizeof(uint16_t));
+    float *xsum = (float *)malloc((size_t)(M * xsum_stride) * sizeof(float));
+    lut_prepare(x, M, K, xr, xr_stride, xsum, xsum_stride);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; n++) {
+        float dot[LUT_ROUTE_MAX_ROWS];
+        switch (M) {
+            case 1: row_dots_lut(w + n * row_bytes, blocks, K, xr, xr_stride, xsum, xsum_stride, 1, dot); break;
+            case 2: row_dots_lut(w + n * row_bytes, blocks, K, xr, xr_stride, xsum, xsum_stride, 2, dot); break;
+            default: row_dots_lut(w + n * row_bytes, blocks, K, xr, xr_stride, xsum, xsum_stride, 3, dot); break;
+        }
+        for (int64_t r = 0; r < M; r++) store(y, y_is_bf16, r * N + n, dot[r]);
+    }
+    free(xr);
+    free(xsum);
 }
 #endif
 
@@ -261,6 +367,10 @@ void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t 
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
 #if defined(__AVX512BF16__)
+    if (kind == 0 && x_is_bf16 && M <= LUT_ROUTE_MAX_ROWS) {
+        lut_matmul((const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads);
+        return;
+    }
     /* Up to three rows are bound by decoding the blocks, which the fp32 route does in fewer
      * instructions (no bf16 packing); from four rows on, vdpbf16ps's doubled arithmetic wins. */
     if (x_is_bf16 && M > FP32_ROUTE_MAX_ROWS) {
@@ -303,7 +413,7 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
         const uint8_t *w_row = w + (rows ? rows[i] : i) * row_bytes;
         float buf[QK];
         for (int64_t b = 0; b < blocks; b++) {
-            decode_scalar(kind, w_row + b * block_bytes(kind), buf);
+            decode_scalar(kind, block_ref(kind, w_row, K, b), buf);
             for (int j = 0; j < QK; j++) store(out, out_is_bf16, i * K + b * QK + j, buf[j]);
         }
     }
