@@ -163,20 +163,21 @@ class KVTransferConfig:
 @dataclass
 class KVEventsConfig:
     """Where an engine publishes its KV-cache events (``pdserve.engine.kv_events``): a PUB
-    socket on ``port`` and its replay ROUTER socket on ``port + 1``."""
+    socket on ``port`` and its replay ROUTER socket on ``port + 1``; port 0 picks two free
+    ports (the engine's Info says which)."""
 
     host: str = "127.0.0.1"
     port: int = 0
     buffer_steps: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65535:
-            raise ValueError(f"kv_events port must be in [1, 65534] (replay uses port + 1), got {self.port}")
+        if not 0 <= self.port < 65535:
+            raise ValueError(f"kv_events port must be in [0, 65534] (replay uses port + 1), got {self.port}")
         _require_positive(buffer_steps=self.buffer_steps)
 
     @property
     def replay_port(self) -> int:
-        return self.port + 1
+        return self.port + 1 if self.port else 0
 
 
 @dataclass

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             torch_threads=threads,
             cpus=format_cpu_list(allowed_cpus()),
             instance_id=uuid.uuid4().hex,
-            kv_events_port=config.kv_events.port if config.kv_events is not None else 0,
+            kv_events_port=core.kv_events.port if core.kv_events is not None else 0,
+            kv_events_replay_port=core.kv_events.replay_port if core.kv_events is not None else 0,
         )
         server.send(messages.Ready(info))
         logger.info("engine core ready (%s)", info)

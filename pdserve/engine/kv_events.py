@@ -136,6 +136,15 @@ def decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(ts, events)
 
 
+def _bind(sock: zmq.Socket, host: str, port: int) -> int:
+    """Bind on ``host:port`` (a free port for 0); the port bound."""
+    address = f"[{host}]" if ":" in host else host
+    if port == 0:
+        return sock.bind_to_random_port(f"tcp://{address}")
+    sock.bind(f"tcp://{address}:{port}")
+    return port
+
+
 def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
@@ -162,10 +171,10 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
         self._replay = self._ctx.socket(zmq.ROUTER)
-        self._pub.bind(f"tcp://{host}:{port}")
-        self._replay.bind(f"tcp://{host}:{replay_port}")
-        self.port = port
-        self.replay_port = replay_port
+        for sock in (self._pub, self._replay):
+            sock.setsockopt(zmq.IPV6, 1)
+        self.port = _bind(self._pub, host, port)
+        self.replay_port = _bind(self._replay, host, replay_port)
         self._topic = topic.encode()
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._queue: queue.Queue[EventBatch | None] = queue.Queue()

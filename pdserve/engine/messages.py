@@ -85,7 +85,8 @@ class CoreInfo:
     torch_threads: int  # torch's intra-op threads in the core
     cpus: str  # the core's affinity, as a cpu list ("0-3,6")
     instance_id: str = ""  # random per core start: a restarted engine is a new instance
-    kv_events_port: int = 0  # its KV-event PUB port (replay on the next one); 0: events off
+    kv_events_port: int = 0  # its KV-event PUB port; 0: events off
+    kv_events_replay_port: int = 0  # and its replay ROUTER port
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             cpus=info.cpus,
             instance_id=info.instance_id,
             kv_events_port=info.kv_events_port,
+            kv_events_replay_port=info.kv_events_replay_port,
         )
 
 
@@ -333,7 +334,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="publish KV-cache events (vLLM's wire format) on a ZMQ PUB socket on this port, with "
-        "a replay socket on the next one (default: off)",
+        "a replay socket on the next one; 0 picks free ports, which Info reports (default: off)",
     )
     parser.add_argument(
         "--cluster-token", default=None, help="HMAC key for the KV side channel (or PDSERVE_CLUSTER_TOKEN)"
