@@ -154,8 +154,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, bool]:
     """kv against prefix, repeat by repeat: higher hit rate, fewer blocks pulled, every time."""
     by = {(r["repeat"], r["policy"]): r for r in rows}
     repeats = sorted({r["repeat"] for r in rows})
-    pairs = [(by.get((k, "kv")), by.get((k, "prefix"))) for k in repeats]
-    pairs = [(kv, prefix) for kv, prefix in pairs if kv is not None and prefix is not None]
+    pairs = [(by[(k, "kv")], by[(k, "prefix")]) for k in repeats if (k, "kv") in by and (k, "prefix") in by]
     return {
         "kv_beats_prefix_on_hit_rate_every_repeat": bool(pairs)
         and all(kv["prefill_hit_rate"] > prefix["prefill_hit_rate"] for kv, prefix in pairs),
