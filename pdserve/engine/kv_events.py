@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ logger = logging.getLogger(__name__)
 MEDIUM = "CPU"  # where pdserve's blocks live (vLLM says "GPU" for its device cache)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
+REPLAY_POLL_MS = 200  # how often the replay thread looks up from its socket to see if it must stop
 # Fault injection for tests: a comma-separated list of sequence numbers the PUB socket skips
 # (they stay in the replay buffer), as a message lost on the network would be.
 DROP_SEQS_ENV = "PDSERVE_KV_EVENTS_DROP_SEQS"
@@ -150,13 +150,14 @@ def seq_bytes(seq: int) -> bytes:
 
 
 class KVEventPublisher:
-    """PUB + replay ROUTER sockets, owned by one thread so the engine's busy loop never waits.
+    """The PUB socket, used by the engine's thread, and the replay ROUTER socket, served by a
+    thread of its own so that a replay never delays a step.
 
-    ``publish`` queues a batch; the thread numbers it, sends it and keeps the last
-    ``buffer_steps`` encoded batches for replay. ``snapshot_wanted`` is set when a replay asked
-    for more than the buffer holds: the engine core then opens its next batch with a snapshot
-    of its cache (``BlockPool.snapshot_events``); an idle core wakes at least every half second,
-    so that happens promptly.
+    ``publish`` numbers a batch, encodes and sends it (a PUB send never blocks) and keeps the
+    last ``buffer_steps`` encoded batches for replay. ``snapshot_wanted`` is set when a replay
+    asked for more than the buffer holds: the engine core then ends its next batch with a
+    snapshot of its cache (``BlockPool.snapshot_events``); an idle core wakes at least every
+    half second, so that happens promptly.
     """
 
     def __init__(
@@ -176,40 +177,33 @@ class KVEventPublisher:
         self.port = _bind(self._pub, host, port)
         self.replay_port = _bind(self._replay, host, replay_port)
         self._topic = topic.encode()
+        # [(seq, payload)], oldest first; appended by the engine thread, read by the replay thread.
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
-        self._queue: queue.Queue[EventBatch | None] = queue.Queue()
+        self._buffer_lock = threading.Lock()
         self._next_seq = 0
         self._drop = {int(s) for s in os.environ.get(DROP_SEQS_ENV, "").split(",") if s.strip()}
         self.snapshot_wanted = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
         self._thread.start()
 
     def publish(self, batch: EventBatch) -> None:
-        self._queue.put(batch)
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._replay, zmq.POLLIN)
-        while True:
-            try:
-                batch = self._queue.get(timeout=0.01)
-            except queue.Empty:
-                batch = None
-            else:
-                if batch is None:
-                    return
-                self._send(batch)
-            while poller.poll(0):
-                self._serve_replay()
-
-    def _send(self, batch: EventBatch) -> None:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         payload = encode_batch(batch)
-        self._buffer.append((seq, payload))
+        with self._buffer_lock:
+            self._buffer.append((seq, payload))
         if seq in self._drop:
             logger.warning("KV events: dropping seq %d on purpose (%s)", seq, DROP_SEQS_ENV)
             return
         self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
+
+    def _serve_replays(self) -> None:
+        while not self._closing.is_set():
+            if self._replay.poll(REPLAY_POLL_MS):
+                try:
+                    self._serve_replay()
+                except zmq.ZMQError:
+                    logger.exception("KV events: replay failed")
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -218,18 +212,19 @@ class KVEventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big", signed=True)
-        oldest = self._buffer[0][0] if self._buffer else self._next_seq
+        with self._buffer_lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+            oldest = self._buffer[0][0] if self._buffer else self._next_seq
         if start_seq < oldest:
             # The buffer no longer reaches back: the subscriber drops what it has, and the next
             # batch carries a snapshot of the whole cache to rebuild from.
             self.snapshot_wanted.set()
-        for seq, payload in self._buffer:
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq_bytes(seq), payload))
+        for seq, payload in batches:
+            self._replay.send_multipart((client, b"", self._topic, seq_bytes(seq), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._closing.set()
         self._thread.join(timeout=2.0)
         self._pub.close(linger=0)
         self._replay.close(linger=0)
