@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import signal
+import sys
 import time
 import urllib.request
 
@@ -67,8 +68,7 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 250) for _ in range(n)]
 
 
-def _router_metrics(cluster) -> dict[tuple[str, tuple], float]:
-    address = cluster.procs["router"].metrics_address
+def _router_metrics(address: str) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -77,8 +77,10 @@ def _router_metrics(cluster) -> dict[tuple[str, tuple], float]:
     }
 
 
-def _metric(cluster, name: str, engine: str) -> float:
-    return _router_metrics(cluster).get((name, (("engine", engine),)), 0.0)
+def _metric(where, name: str, engine: str) -> float:
+    """A per-engine router metric; ``where`` is a LocalCluster or the router's metrics address."""
+    address = where if isinstance(where, str) else where.procs["router"].metrics_address
+    return _router_metrics(address).get((name, (("engine", engine),)), 0.0)
 
 
 def _wait_for(condition, what: str) -> None:
@@ -185,3 +187,64 @@ def test_a_killed_and_restarted_engine_loses_its_entries(cluster, client):
     m = _generate(client, prompt)
     assert m["expected_prefill_hit_blocks"] == m["prefill_hit_blocks"] == 0, m
     assert _generate(client, prompt)["expected_prefill_hit_blocks"] == 6
+
+
+def test_an_engine_found_through_dns_is_followed_and_loses_its_entries_when_it_leaves(
+    tiny_model_dir, tmp_path
+):
+    """``--decode dns:NAME:PORT``: the engine the name resolves to is subscribed to; once the
+    name no longer lists it, it leaves the pool and its entries leave the index."""
+    from dnslib.server import DNSServer
+
+    from pdserve.supervisor import SupervisedProcess, pick_free_ports, terminate_all
+    from tests.test_discovery import Zone
+
+    zone = Zone()
+    dns_port, engine_port, router_port, metrics_port = pick_free_ports("127.0.0.1", 4)
+    dns = DNSServer(zone, port=dns_port, address="127.0.0.1")
+    dns.start_thread()
+    engine = f"127.0.0.1:{engine_port}"
+    procs = [
+        SupervisedProcess(
+            "decode",
+            ["-m", "pdserve", "decode", "--port", str(engine_port), "--model", tiny_model_dir,
+             "--kv-events-port", "0", *ENGINE_ARGS],
+            tmp_path / "decode.log",
+            address=engine,
+        ),
+        SupervisedProcess(
+            "router",
+            ["-m", "pdserve", "router", "--port", str(router_port), "--metrics-port", str(metrics_port),
+             "--decode", f"dns:pdserve-decode:{engine_port}", "--dns-server", f"127.0.0.1:{dns_port}",
+             "--discovery-interval", "0.5", "--model", tiny_model_dir],
+            tmp_path / "router.log",
+            address=f"127.0.0.1:{router_port}",
+        ),
+    ]  # fmt: skip
+    for proc in procs:
+        proc.argv.insert(0, sys.executable)
+    zone.set("pdserve-decode", ["127.0.0.1"])
+    try:
+        for proc in procs:
+            proc.spawn()
+        wait_healthy(procs, timeout_s=120)
+        router_metrics = f"127.0.0.1:{metrics_port}"
+        _wait_for(
+            lambda: _metric(router_metrics, "pdserve_router_kv_in_sync", engine) == 1,
+            "the dns: engine in sync",
+        )
+        prompt = _tokens(9, 100)
+        with Client(f"127.0.0.1:{router_port}") as client:
+            _generate(client, prompt)
+            m = _generate(client, prompt)
+        assert m["expected_decode_hit_blocks"] == m["decode_hit_blocks"] == 6, m
+        assert _metric(router_metrics, "pdserve_router_kv_index_blocks", engine) >= 6
+        zone.set("pdserve-decode", [])
+        _wait_for(
+            lambda: _metric(router_metrics, "pdserve_router_kv_index_blocks", engine) == 0,
+            "its entries to go",
+        )
+        assert _metric(router_metrics, "pdserve_router_kv_in_sync", engine) == 0
+    finally:
+        terminate_all(procs, grace_s=10.0)
+        dns.stop()
