@@ -183,7 +183,9 @@ class EnginePool:
             serving, reason = False, exc.code().name
         else:
             reason = "not SERVING"
-        if serving and (engine.info is None or not engine.healthy):
+        # With KV events, Info is asked every time: an engine restarted between two checks has a
+        # new instance id (and event ports), and its old index entries must go.
+        if serving and (engine.info is None or not engine.healthy or self.kv_events is not None):
             try:
                 engine.info = await engine.stub.Info(engine_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
