@@ -14,7 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve import LLM
     from pdserve.engine.request import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
     )
     gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    gen.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "gguf", "int8"],
+        help="weights as they are in the GGUF file (gguf), int8 blocks made at load, or dense (none)",
+    )
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -18,6 +18,9 @@ KV_TRANSPORTS = ("auto", "tcp", "ucx", "nixl", "shm")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 HANDOVER_STEPS = ("joined", "separate", "inflight")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# How the weights are held: dense in the dtype, a GGUF file's own quantized blocks, or int8
+# blocks made at load (pdserve.engine.model.quant_linear).
+QUANTIZATION_CHOICES = ("none", "gguf", "int8")
 # Sets the default of ``--dtype`` / ``LLM(dtype=...)`` for every engine started from this
 # environment (a test suite that compares tokens across batch shapes pins float32 this way).
 DTYPE_ENV = "PDSERVE_DTYPE"
@@ -118,10 +121,18 @@ class ModelConfig:
     # "auto": bf16 where the CPU multiplies it natively, else fp32 (resolved by the process that
     # loads the weights: ``pdserve.engine.cpu_resources.resolve_dtype``).
     dtype: str = field(default_factory=default_dtype)
+    # Weight-only: activations and the KV cache stay in ``dtype`` whatever this is.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
+        # (A directory may hold one .gguf file: the loader resolves it.)
+        path = self.path
+        if self.quantization == "gguf" and path and not path.endswith(".gguf") and not os.path.isdir(path):
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {path!r}")
 
 
 @dataclass

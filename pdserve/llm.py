@@ -10,8 +10,7 @@ from typing import cast
 
 from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore, EngineCoreRequest
-from pdserve.engine.cpu_resources import resolve_dtype
-from pdserve.engine.model.loader import load_model
+from pdserve.engine.model.loader import load_served_model
 from pdserve.engine.outputs import Completion
 from pdserve.engine.request import SamplingParams
 
@@ -25,7 +24,9 @@ class LLM:
 
     ``model=None`` is the bundled SmolLM2-135M-Instruct. Engine arguments are the fields of
     ``SchedulerConfig`` and ``CacheConfig`` plus ``dtype`` (default ``"auto"``: bf16 where the
-    CPU has native bf16, else fp32). Torch's threads are left as this process has them.
+    CPU has native bf16, else fp32) and ``quantization`` (``"none"``, ``"gguf"``: a GGUF file's
+    quantized blocks as they are, ``"int8"``: Q8_0 blocks made at load). Torch's threads are
+    left as this process has them.
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str | None = None,
+        quantization: str = "none",
         max_model_len: int = 2048,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -43,7 +45,10 @@ class LLM:
         num_blocks: int = 1024,
         enable_prefix_caching: bool = True,
     ) -> None:
-        model_config = ModelConfig(path=model) if dtype is None else ModelConfig(path=model, dtype=dtype)
+        # dtype None: ModelConfig's default ("auto", or $PDSERVE_DTYPE).
+        model_config = ModelConfig(
+            path=model, quantization=quantization, **({} if dtype is None else {"dtype": dtype})
+        )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -56,10 +61,10 @@ class LLM:
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
         )
         # "auto" picks bf16 on a CPU with native bf16 ($PDSERVE_DTYPE changes the default).
-        self.dtype = resolve_dtype(model_config.dtype)
-        loaded = load_model(model_config.path, dtype=self.dtype)
+        loaded = load_served_model(model_config)
+        self.dtype = str(loaded.dtype).removeprefix("torch.")
         self.tokenizer = loaded.tokenizer
-        self.engine = EngineCore(loaded, scheduler_config, cache_config, kv_cache_dtype=self.dtype)
+        self.engine = EngineCore(loaded, scheduler_config, cache_config, kv_cache_dtype=loaded.dtype)
         self._ids = itertools.count()
 
     def generate(

@@ -44,9 +44,10 @@ class PDConnectorMetadata(KVConnectorMetadata):
 
 
 class PDConnector(KVConnectorBase):
-    def __init__(self, config: KVTransferConfig, spec: KVCacheSpec) -> None:
+    def __init__(self, config: KVTransferConfig, spec: KVCacheSpec, weights: str = "") -> None:
         self.config = config
         self.spec = spec
+        self.weights = weights  # what the weights are held as, told to peers in the handshake
         self.block_size = spec.block_size
         self.is_producer = config.role in ("producer", "both")
         self.is_consumer = config.role in ("consumer", "both")
@@ -203,6 +204,7 @@ class PDConnector(KVConnectorBase):
                 transport=self.transport,
                 fingerprint=self.spec.fingerprint(),
                 engine_id=self.engine_id,
+                weights=self.weights,
                 token=self.config.cluster_token,
                 transfer_timeout_s=self.config.transfer_timeout_s,
                 lease_renew_s=self.config.lease_ms / 3000.0,
@@ -259,8 +261,15 @@ class PDConnector(KVConnectorBase):
         if theirs != mine:
             raise ValueError(f"KV layout mismatch: this engine has {mine}, the peer has {theirs}")
         assert self.transport is not None
+        logger.info(
+            "handshake from %s (weights %s); this engine's weights: %s",
+            message.get("engine_id", "?"),
+            message.get("weights") or "not said",
+            self.weights or "not said",
+        )
         return {
             "ok": True,
+            "weights": self.weights,
             "version": PD_CONNECTOR_VERSION,
             "engine_id": self.engine_id,
             "instance_id": self.instance_id,

@@ -105,10 +105,12 @@ class TransferWorker:
         token: str | None,
         transfer_timeout_s: float,
         lease_renew_s: float,
+        weights: str = "",
     ) -> None:
         self.transport = transport
         self.fingerprint = fingerprint
         self.engine_id = engine_id
+        self.weights = weights  # what this engine's weights are held as (told to prefill peers)
         self.token = token
         self.transfer_timeout_s = transfer_timeout_s
         self.lease_renew_s = lease_renew_s
@@ -224,6 +226,7 @@ class TransferWorker:
                 "version": PD_CONNECTOR_VERSION,
                 "engine_id": self.engine_id,
                 "fingerprint": self.fingerprint,
+                "weights": self.weights,
             },
             timeout_s=HANDSHAKE_TIMEOUT_S,
         )
@@ -247,6 +250,12 @@ class TransferWorker:
                 f"{remote.engine_id} restarted since it prefilled this request: its blocks are gone"
             )
         self.transport.add_remote(remote.transport_key, reply["transport_metadata"])
+        logger.info(
+            "handshake with %s: its weights %s, ours %s",
+            remote.engine_id,
+            reply.get("weights") or "not said",
+            self.weights or "not said",
+        )
         peer.instance_id = str(reply.get("instance_id", ""))
         peer.handshaken = True
         logger.info("handshake with %s at %s:%d done", remote.engine_id, remote.host, remote.port)

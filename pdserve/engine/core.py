@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.connector.base import KVConnectorBase
@@ -21,6 +21,9 @@ from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, Schedule
 from pdserve.engine.request import Request, RequestStatus, SamplingParams, validate_prompt
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         connector: KVConnectorBase | None = None,
-        kv_cache_dtype: str = "float32",
+        kv_cache_dtype: str | torch.dtype = "float32",
         log_stats: bool = True,
     ) -> None:
         self.loaded = loaded

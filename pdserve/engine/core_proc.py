@@ -20,7 +20,7 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
-from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list, resolve_dtype
+from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.outputs import EngineCoreOutput
 
@@ -29,17 +29,16 @@ logger = logging.getLogger("pdserve.core")
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """The model loaded in the resolved dtype, its KV cache in the same dtype, the connector."""
-    from pdserve.engine.model.loader import load_model
+    from pdserve.engine.model.loader import load_served_model
 
-    dtype = resolve_dtype(config.model.dtype)
-    loaded = load_model(config.model.path, dtype=dtype)
+    loaded = load_served_model(config.model)
     connector = None
     if config.kv_transfer is not None:
         from pdserve.connector.factory import create_connector
 
-        spec = loaded.arch.kv_cache_spec(config.cache.block_size, dtype)
-        connector = create_connector(config.kv_transfer, spec)
-    return EngineCore(loaded, config.scheduler, config.cache, connector, kv_cache_dtype=dtype)
+        spec = loaded.arch.kv_cache_spec(config.cache.block_size, loaded.dtype)
+        connector = create_connector(config.kv_transfer, spec, weights=loaded.weights)
+    return EngineCore(loaded, config.scheduler, config.cache, connector, kv_cache_dtype=loaded.dtype)
 
 
 class CoreServer:
@@ -156,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=core.kv_cache_spec.dtype,
             torch_threads=threads,
             cpus=format_cpu_list(allowed_cpus()),
+            quantization=core.loaded.quantization,
+            weights=core.loaded.weights,
+            weight_bytes=core.loaded.weight_bytes,
             instance_id=uuid.uuid4().hex,
             kv_events_port=core.kv_events.port if core.kv_events is not None else 0,
             kv_events_replay_port=core.kv_events.replay_port if core.kv_events is not None else 0,

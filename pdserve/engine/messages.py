@@ -84,6 +84,9 @@ class CoreInfo:
     dtype: str  # what the weights and KV cache are in ("auto" resolved)
     torch_threads: int  # torch's intra-op threads in the core
     cpus: str  # the core's affinity, as a cpu list ("0-3,6")
+    quantization: str = "none"  # --quantization
+    weights: str = ""  # what the weights are held as ("Q4_1 x210, Q8_0 x1, bfloat16")
+    weight_bytes: int = 0  # their bytes in memory
     instance_id: str = ""  # random per core start: a restarted engine is a new instance
     kv_events_port: int = 0  # its KV-event PUB port; 0: events off
     kv_events_replay_port: int = 0  # and its replay ROUTER port

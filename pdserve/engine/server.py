@@ -24,6 +24,7 @@ from pdserve.config import (
     DTYPE_CHOICES,
     HANDOVER_STEPS,
     KV_TRANSPORTS,
+    QUANTIZATION_CHOICES,
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
@@ -147,6 +148,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             dtype=info.dtype,
             torch_threads=info.torch_threads,
             cpus=info.cpus,
+            quantization=info.quantization,
+            weights=info.weights,
+            weight_bytes=info.weight_bytes,
             instance_id=info.instance_id,
             kv_events_port=info.kv_events_port,
             kv_events_replay_port=info.kv_events_replay_port,
@@ -289,6 +293,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(AVX512-BF16, AMX, Arm BF16), else float32",
     )
     parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATION_CHOICES),
+        help="how the weights are held: none (dense in --dtype, the default), gguf (a GGUF file's "
+        "Q8_0/Q4_0/Q4_1/Q4_K tensors kept as they are: 5-8.5 bits a weight), int8 (Q8_0 blocks "
+        "made at load from any checkpoint). Activations and the KV cache stay in --dtype",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -359,7 +371,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
             cluster_token=token,
         )
     return EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype),
+        model=ModelConfig(path=args.model, dtype=args.dtype, quantization=args.quantization),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

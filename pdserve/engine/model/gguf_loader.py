@@ -22,7 +22,9 @@ import torch
 
 from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.llama import hf_to_model_state_dict
+from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
+from pdserve.engine.model.llama import FUSED_PROJECTIONS, hf_to_model_state_dict
+from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind, dequantize_ref
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,24 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def _gguf_tensors(reader: gguf.GGUFReader) -> list[tuple[gguf.ReaderTensor, str]]:
+    """``(tensor, HF name)`` for every tensor the model has a parameter for."""
+    wanted = [(t, name) for t in reader.tensors if (name := _hf_name(t.name)) is not None]
+    skipped = sorted(t.name for t in reader.tensors if _hf_name(t.name) is None)
+    if skipped:
+        logger.debug("GGUF tensors without a model parameter (ignored): %s", skipped)
+    return wanted
+
+
+def _qk_heads(name: str, config: ModelArchConfig) -> int | None:
+    """The head count llama.cpp permuted ``name``'s rows with (None: not permuted)."""
+    if ".q_proj." in name:
+        return config.num_heads
+    if ".k_proj." in name:
+        return config.num_kv_heads
+    return None
+
+
 def load_gguf_hf_state_dict(
     path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
@@ -134,25 +154,90 @@ def load_gguf_hf_state_dict(
     torch_dtype = parse_dtype(dtype)
     config = read_arch_config(reader)
     permuted = _PERMUTED_QK[field(reader, "general.architecture")]
-    wanted = [(t, name) for t in reader.tensors if (name := _hf_name(t.name)) is not None]
-    skipped = sorted(t.name for t in reader.tensors if _hf_name(t.name) is None)
-    if skipped:
-        logger.debug("GGUF tensors without a model parameter (ignored): %s", skipped)
 
     def convert(item: tuple[gguf.ReaderTensor, str]) -> tuple[str, torch.Tensor]:
         tensor, name = item
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if permuted and ".q_proj." in name:
-            weight = unpermute_qk(weight, config.num_heads)
-        elif permuted and ".k_proj." in name:
-            weight = unpermute_qk(weight, config.num_kv_heads)
-        # np.array copies out of the read-only memmap; torch then owns the memory.
-        return name, torch.from_numpy(np.array(weight, dtype=np.float32)).to(torch_dtype)
+        return name, _dequantized(tensor, name, config, permuted).to(torch_dtype)
 
     # numpy releases the GIL in the dequantisation kernels, so two threads nearly halve the time.
     with ThreadPoolExecutor(max_workers=max(1, min(4, torch.get_num_threads()))) as pool:
-        state = dict(pool.map(convert, wanted))
+        state = dict(pool.map(convert, _gguf_tensors(reader)))
     return config, state
+
+
+def _fused_names(config: ModelArchConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """``(fused weight name, its HF parts)`` for every layer (q/k/v and gate/up)."""
+    return [
+        (f"model.layers.{i}.{fused}.weight", tuple(f"model.layers.{i}.{part}.weight" for part in parts))
+        for i in range(config.num_layers)
+        for fused, parts in FUSED_PROJECTIONS.items()
+    ]
+
+
+def _densify_mixed_groups(
+    hf_blocks: dict[str, torch.Tensor],
+    kinds: dict[str, BlockKind],
+    hf_dense: dict[str, torch.Tensor],
+    config: ModelArchConfig,
+) -> None:
+    """Move to ``hf_dense`` (decoded) every part of a fused group whose parts are not all blocks
+    of one kind, so each group is fused from one side only."""
+    for _, parts in _fused_names(config):
+        held = [part for part in parts if part in hf_blocks]
+        if held and (len(held) < len(parts) or len({kinds[part] for part in held}) > 1):
+            for part in held:
+                blocks, kind = hf_blocks.pop(part), kinds.pop(part)
+                in_features = blocks.shape[1] // kind.block_bytes * BLOCK_SIZE
+                hf_dense[part] = dequantize_ref(kind, blocks, in_features)
+            logger.info("%s: parts of different types, served dense", ", ".join(parts))
+
+
+def _dequantized(
+    tensor: gguf.ReaderTensor, name: str, config: ModelArchConfig, permuted: bool
+) -> torch.Tensor:
+    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    heads = _qk_heads(name, config) if permuted else None
+    if heads is not None:
+        weight = unpermute_qk(weight, heads)
+    # np.array copies out of the read-only memmap; torch then owns the memory.
+    return torch.from_numpy(np.array(weight, dtype=np.float32))
+
+
+def load_gguf_blocks(
+    path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor], dict[str, tuple[BlockKind, torch.Tensor]]]:
+    """The file's weights as they are, for ``--quantization gguf``: ``(config, dense, blocks)``.
+
+    ``blocks`` maps this model's parameter names (fused q/k/v and gate/up) to kernel blocks
+    (see ``gguf_blocks``); ``dense`` holds the rest (norms, and any tensor of a type without a
+    kernel) dequantised to ``dtype``. A fused projection whose parts differ in type (a Q4_K q
+    with a Q6_K v, as llama.cpp's mixed "_M" files have) is dense as a whole.
+    """
+    reader = reader if reader is not None else open_gguf(path)
+    torch_dtype = parse_dtype(dtype)
+    config = read_arch_config(reader)
+    permuted = _PERMUTED_QK[field(reader, "general.architecture")]
+    hf_dense: dict[str, torch.Tensor] = {}
+    hf_blocks: dict[str, torch.Tensor] = {}
+    kinds: dict[str, BlockKind] = {}
+    for tensor, name in _gguf_tensors(reader):
+        rows, in_features = (int(n) for n in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
+        if tensor.tensor_type not in KERNEL_KIND or not name.endswith(".weight") or rows == 0:
+            hf_dense[name] = _dequantized(tensor, name, config, permuted)
+            continue
+        kind, blocks = to_kernel_blocks(tensor.tensor_type, tensor.data, rows, in_features)
+        heads = _qk_heads(name, config) if permuted else None
+        if heads is not None:
+            blocks = permute_block_rows(blocks, unpermute_qk(np.arange(rows), heads))
+        hf_blocks[name], kinds[name] = blocks, kind
+    _densify_mixed_groups(hf_blocks, kinds, hf_dense, config)
+    fused_kinds = {name: kinds[parts[0]] for name, parts in _fused_names(config) if parts[0] in hf_blocks}
+    block_state = {
+        name: (fused_kinds[name] if name in fused_kinds else kinds[name], blocks)
+        for name, blocks in hf_to_model_state_dict(hf_blocks, config).items()
+    }
+    dense = hf_to_model_state_dict(hf_dense, config)
+    return config, {name: t.to(torch_dtype) for name, t in dense.items()}, block_state
 
 
 def load_gguf(

@@ -77,7 +77,7 @@ def pack_linear_weights(model: LlamaForCausalLM) -> int:
     The tied embedding table stays as it is for the lookup; the LM head's packed copy costs its
     bytes once more (56 MB in bf16 for SmolLM2) and saves ~40% of the logits matmul.
     """
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.dtype
     if not can_pack(dtype):
         return 0
     count = 0
@@ -87,9 +87,15 @@ def pack_linear_weights(model: LlamaForCausalLM) -> int:
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, PackedLinear(child))
                     count += 1
-    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-    model.packed_lm_head = pack_weight(head.weight)
-    logger.info("%d projections and the LM head packed for oneDNN (%s)", count, dtype)
+    if model.quant_lm_head is None:  # a head held as blocks (--quantization) has its own kernel
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        model.packed_lm_head = pack_weight(head.weight)
+    logger.info(
+        "%d projections packed for oneDNN (%s), LM head %s",
+        count,
+        dtype,
+        "as blocks" if model.quant_lm_head is not None else "packed",
+    )
     return count
 
 

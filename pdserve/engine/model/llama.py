@@ -21,6 +21,8 @@ from torch import nn
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.linear import lm_head_logits
+from pdserve.engine.model.quant_linear import QuantLinear, install_blocks
+from pdserve.kernels.cpu_quant import BlockKind
 
 
 def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
@@ -168,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # The LM head in oneDNN's layout, set by ``linear.pack_linear_weights`` for serving.
         self.packed_lm_head: torch.Tensor | None = None
+        # The LM head as GGUF blocks, set by ``quant_linear.install_blocks`` (--quantization).
+        self.quant_lm_head: QuantLinear | None = None
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -180,6 +184,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("rope_sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the final norm's: always dense, unlike a block-held embedding)."""
+        return self.model.norm.weight.dtype
 
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor
@@ -208,12 +217,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        if self.quant_lm_head is not None:
+            return self.quant_lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return lm_head_logits(hidden, weight, self.packed_lm_head).float()
 
 
 # HF parameter suffixes fused into one of ours: {fused suffix: HF suffixes in concatenation order}
-_FUSED = {
+FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
@@ -234,7 +245,7 @@ def hf_to_model_state_dict(
         out[name] = tensor
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
-        for fused, parts in _FUSED.items():
+        for fused, parts in FUSED_PROJECTIONS.items():
             for kind in ("weight", "bias"):
                 names = [f"{prefix}{part}.{kind}" for part in parts]
                 present = [n in out for n in names]
@@ -260,7 +271,7 @@ def model_to_hf_state_dict(
     }
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        for fused, parts in _FUSED.items():
+        for fused, parts in FUSED_PROJECTIONS.items():
             if f".{fused}." in name:
                 prefix, kind = name.split(f"{fused}.")
                 for part, piece in zip(parts, torch.split(tensor, sizes[fused], dim=0), strict=True):
@@ -290,6 +301,29 @@ def build_model(
     return model
 
 
+def build_quantized_model(
+    config: ModelArchConfig,
+    dense_state: dict[str, torch.Tensor],
+    blocks: dict[str, tuple[BlockKind, torch.Tensor]],
+    dtype: torch.dtype,
+) -> LlamaForCausalLM:
+    """``build_model`` for weights partly held as GGUF blocks (``--quantization``): the dense
+    tensors (norms, biases, types without a kernel) are assigned, then the block-held modules
+    replace their dense versions, which never get memory."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(dense_state, strict=False, assign=True)
+    install_blocks(model, blocks, dtype)
+    still_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise KeyError(f"weights missing from the checkpoint: {still_meta[:5]}")
+    model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    use_kn_weight_layout(model)
+    return model
+
+
 def use_kn_weight_layout(model: LlamaForCausalLM) -> None:
     """Store each decoder-layer projection as ``[in, out]`` in memory, seen as ``[out, in]``.
 
@@ -308,4 +342,6 @@ def use_kn_weight_layout(model: LlamaForCausalLM) -> None:
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
         ):
+            if not isinstance(linear, nn.Linear):
+                continue  # held as blocks (quant_linear), no dense weight to lay out
             linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t(), requires_grad=False)

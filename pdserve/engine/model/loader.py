@@ -11,11 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.config import ModelConfig
+from pdserve.engine.cpu_resources import resolve_dtype
 from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.gguf_loader import load_gguf, open_gguf
+from pdserve.engine.model.gguf_loader import load_gguf, load_gguf_blocks, open_gguf
 from pdserve.engine.model.hf_loader import load_hf_dir
-from pdserve.engine.model.llama import LlamaForCausalLM, build_model
+from pdserve.engine.model.llama import LlamaForCausalLM, build_model, build_quantized_model
+from pdserve.engine.model.quant_linear import (
+    QUANTIZATION_MODES,
+    describe_weights,
+    install_blocks,
+    quantize_int8,
+    weight_bytes,
+)
 from pdserve.engine.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +57,18 @@ class LoadedModel:
     arch: ModelArchConfig
     tokenizer: Tokenizer
     path: str
+    dtype: torch.dtype = torch.float32  # of the activations, the dense weights and the KV cache
+    quantization: str = "none"  # QUANTIZATION_MODES
+
+    @property
+    def weights(self) -> str:
+        """What the weights are held as (``Q4_1 x210, Q8_0 x1, bfloat16``), for logs and peers."""
+        return describe_weights(self.model)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory (blocks, dense tensors and packed copies)."""
+        return weight_bytes(self.model)
 
 
 def _resolve(path: str | None) -> str:
@@ -63,39 +84,70 @@ def _resolve(path: str | None) -> str:
     return path
 
 
-def load_model(path: str | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    """Load a ``.gguf`` file or an HF checkpoint directory (``None``: the bundled model)."""
+def load_model(
+    path: str | None = None, dtype: str | torch.dtype = "float32", quantization: str = "none"
+) -> LoadedModel:
+    """Load a ``.gguf`` file or an HF checkpoint directory (``None``: the bundled model).
+
+    ``quantization``: ``none`` dequantises everything to ``dtype``; ``gguf`` keeps a GGUF file's
+    Q8_0 / Q4_0 / Q4_1 / Q4_K tensors as blocks; ``int8`` makes Q8_0 blocks (int8, one scale
+    per 32 weights) of every projection and the embedding, from any checkpoint.
+    """
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     torch_dtype = parse_dtype(dtype)
     path = _resolve(path)
+    if quantization == "gguf" and not path.endswith(".gguf"):
+        raise ValueError(f"--quantization gguf needs a .gguf file; {path} is not one (try int8)")
     start = time.perf_counter()
-    logger.info("loading model %s (%s)", path, torch_dtype)
+    logger.info("loading model %s (%s, quantization %s)", path, torch_dtype, quantization)
     if path.endswith(".gguf"):
         reader = open_gguf(path)  # parsed once, shared by weights and tokenizer
         logger.info("  parsed GGUF header (%.1fs)", time.perf_counter() - start)
-        arch, state = load_gguf(path, torch_dtype, reader=reader)
-        logger.info("  dequantised %d tensors (%.1fs)", len(state), time.perf_counter() - start)
+        if quantization == "gguf":
+            arch, dense, blocks = load_gguf_blocks(path, torch_dtype, reader=reader)
+            model = build_quantized_model(arch, dense, blocks, torch_dtype)
+            logger.info("  kept %d tensors as blocks (%.1fs)", len(blocks), time.perf_counter() - start)
+        else:
+            # int8 quantizes from fp32, so that only its own rounding is added.
+            load_dtype = torch.float32 if quantization == "int8" else torch_dtype
+            arch, state = load_gguf(path, load_dtype, reader=reader)
+            logger.info("  dequantised %d tensors (%.1fs)", len(state), time.perf_counter() - start)
         tokenizer = Tokenizer.from_gguf(path, reader=reader)
     else:
-        arch, state = load_hf_dir(path, torch_dtype)
+        arch, state = load_hf_dir(path, torch.float32 if quantization == "int8" else torch_dtype)
         logger.info("  read %d tensors (%.1fs)", len(state), time.perf_counter() - start)
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    if quantization != "gguf":
+        model = build_model(arch, state, dtype=None if quantization == "int8" else torch_dtype)
+        if quantization == "int8":
+            install_blocks(model, quantize_int8(model), torch_dtype)
+            model.to(torch_dtype)
     # The model's own ids win: the tokenizer files may not say which token ends a turn.
     if arch.eos_token_id is not None:
         tokenizer.eos_token_id = arch.eos_token_id
     if arch.bos_token_id is not None and tokenizer.bos_token_id is None:
         tokenizer.bos_token_id = arch.bos_token_id
-    model = build_model(arch, state, dtype=torch_dtype)
-    num_params = sum(p.numel() for p in model.parameters())
+    loaded = LoadedModel(
+        model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=torch_dtype, quantization=quantization
+    )
     logger.info(
-        "loaded %s: %d layers, hidden %d, %.1fM parameters, vocab %d (%.1fs)",
+        "loaded %s: %d layers, hidden %d, vocab %d; weights %s, %.1f MB (%.1fs)",
         os.path.basename(path),
         arch.num_layers,
         arch.hidden_size,
-        num_params / 1e6,
         arch.vocab_size,
+        loaded.weights,
+        loaded.weight_bytes / 1e6,
         time.perf_counter() - start,
     )
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path)
+    return loaded
+
+
+def load_served_model(config: ModelConfig) -> LoadedModel:
+    """The model an engine serves: ``config.dtype`` resolved for this CPU ("auto"), then loaded
+    with ``config.quantization`` (one place for ``pdserve.LLM`` and the engine core process)."""
+    return load_model(config.path, dtype=resolve_dtype(config.dtype), quantization=config.quantization)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:

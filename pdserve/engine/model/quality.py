@@ -100,8 +100,7 @@ def perplexity(
     if window > max_positions:
         raise ValueError(f"window {window} exceeds the model's {max_positions} positions")
     model = loaded.model
-    weight = model.model.embed_tokens.weight
-    device, dtype = weight.device, weight.dtype
+    device, dtype = model.model.norm.weight.device, model.dtype
 
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     longest = min(window, num_preds)

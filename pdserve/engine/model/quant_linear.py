@@ -1,0 +1,176 @@
+"""Weight-only quantized projections, embedding and LM head (``--quantization gguf | int8``).
+
+A decode step at small batch reads every weight once, so its time is the weights' bytes over
+the memory bandwidth. Kept as GGUF blocks, SmolLM2-135M's layers stream 5 bits a weight (Q4_1)
+instead of bf16's 16. The modules here hold the blocks (``pdserve.kernels.cpu_quant``) and
+leave activations in the model's dtype:
+
+* up to ``KERNEL_MAX_ROWS`` rows (decode batches) the C kernel decodes blocks in registers;
+* more rows (prefill chunks) are compute-bound, so the blocks are decoded once to the
+  activations' dtype and multiplied by torch's GEMM, whose arithmetic outruns the kernel's.
+
+The tied embedding and LM head share one block tensor, counted once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import QUANTIZATION_CHOICES
+from pdserve.engine.model.gguf_blocks import quantize_q8_0
+from pdserve.kernels import cpu_quant
+from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind
+
+if TYPE_CHECKING:
+    from pdserve.engine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_MODES = QUANTIZATION_CHOICES
+# Rows up to which the kernel beats decode-then-GEMM (measured with ``pdserve bench step``).
+KERNEL_MAX_ROWS = 16
+
+
+def _decode(kind: BlockKind, blocks: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    if cpu_quant.available():
+        return cpu_quant.quant_dequantize(kind, blocks, in_features, dtype)
+    return cpu_quant.dequantize_ref(kind, blocks, in_features).to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear``'s forward over a weight held as GGUF blocks (buffer ``blocks``)."""
+
+    blocks: torch.Tensor
+
+    def __init__(
+        self, kind: BlockKind, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if blocks.shape[1] != in_features // BLOCK_SIZE * kind.block_bytes:
+            raise ValueError(f"{kind.name} blocks {tuple(blocks.shape)} do not hold rows of {in_features}")
+        self.kind = kind
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.use_kernel = cpu_quant.available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.use_kernel and rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = cpu_quant.quant_matmul(rows, self.kind, self.blocks, self.in_features)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(rows, _decode(self.kind, self.blocks, self.in_features, x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[out, in]`` decoded (for tests and for the quality tools)."""
+        return _decode(self.kind, self.blocks, self.in_features, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks"
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` over a table held as GGUF blocks: looked-up rows are decoded."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, kind: BlockKind, blocks: torch.Tensor, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embedding_dim = embedding_dim
+        self.num_embeddings = blocks.shape[0]
+        self.dtype = dtype
+        self.register_buffer("blocks", blocks.contiguous())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        if cpu_quant.available():
+            rows = cpu_quant.quant_dequantize(
+                self.kind, self.blocks, self.embedding_dim, self.dtype, rows=ids
+            )
+        else:
+            rows = cpu_quant.dequantize_ref(self.kind, self.blocks[ids], self.embedding_dim).to(self.dtype)
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def as_linear(self) -> QuantLinear:
+        """The same blocks as an LM head (a tied model's logits read the table once more)."""
+        return QuantLinear(self.kind, self.blocks, self.embedding_dim)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
+
+
+def install_blocks(
+    model: LlamaForCausalLM, blocks: dict[str, tuple[BlockKind, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """Replace the modules whose ``.weight`` is in ``blocks`` (model parameter names) by their
+    quantized versions; the LM head of a tied model reads the embedding's blocks."""
+    for name, (kind, tensor) in blocks.items():
+        module_name = name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Embedding):
+            _set_submodule(model, module_name, QuantEmbedding(kind, tensor, module.embedding_dim, dtype))
+        elif isinstance(module, nn.Linear):
+            bias = None if module.bias is None or module.bias.is_meta else module.bias
+            _set_submodule(model, module_name, QuantLinear(kind, tensor, module.in_features, bias))
+        else:
+            raise TypeError(f"{name}: no quantized version of {type(module).__name__}")
+    embed = model.model.embed_tokens
+    if model.lm_head is not None and isinstance(model.lm_head, QuantLinear):
+        model.quant_lm_head = model.lm_head
+    elif model.lm_head is None and isinstance(embed, QuantEmbedding):
+        model.quant_lm_head = embed.as_linear()
+
+
+def quantize_int8(model: LlamaForCausalLM) -> dict[str, tuple[BlockKind, torch.Tensor]]:
+    """Q8_0 blocks (symmetric int8, one fp16 scale per 32 weights) of every projection, the
+    embedding and an untied LM head, from the model's current weights."""
+    return {
+        f"{name}.weight": (BlockKind.Q8_0, quantize_q8_0(module.weight))
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[1] % BLOCK_SIZE == 0
+    }
+
+
+def describe_weights(model: nn.Module) -> str:
+    """What the weights are held as, for logs and handshakes: e.g. ``Q4_1 x210, Q8_0 x1, bfloat16``."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            counts[module.kind.name] = counts.get(module.kind.name, 0) + 1
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    parts = [f"{kind} x{count}" for kind, count in sorted(counts.items())]
+    return ", ".join([*parts, str(dtype).removeprefix("torch.")])
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds (parameters, blocks and packed copies), each storage
+    counted once: the tied table and LM head share theirs."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [
+        *model.parameters(),
+        *(m.blocks for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))),
+    ]
+    packed: list[torch.Tensor | None] = [getattr(m, "packed_weight", None) for m in model.modules()]
+    packed.append(getattr(model, "packed_lm_head", None))
+    for tensor in tensors:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in seen:
+            seen.add(pointer)
+            total += tensor.untyped_storage().nbytes()
+    for packed_weight in packed:
+        if packed_weight is not None:
+            total += packed_weight.numel() * packed_weight.element_size()
+    return total

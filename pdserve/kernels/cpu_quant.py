@@ -1,0 +1,207 @@
+"""The CPU kernels for GGUF-block weights (``kernels/cpu/quant_matmul.c``): build, load, call.
+
+The C source is compiled at first use with the host's C compiler and ``-march=native`` into
+``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by the source, the compiler and the
+CPU's flags, so a machine of another kind builds its own copy. It is called through ``ctypes``
+on tensors' data pointers: the kernels need no torch headers, which would cost a minute of
+compile time per build. Where no compiler is found, ``available()`` is False and the quantized
+modules fall back to the torch reference here (correct, slower).
+
+Block layouts are GGUF's own: ``Q4_1`` (fp16 d, fp16 m, 16 bytes of nibbles: 20 bytes a block
+of 32 weights) and ``Q8_0`` (fp16 d, 32 int8: 34 bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.cpu_resources import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+BLOCK_SIZE = 32
+SOURCE = Path(__file__).parent / "cpu" / "quant_matmul.c"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+class BlockKind(IntEnum):
+    """The block layouts the kernels read (the values are the C side's ``kind``)."""
+
+    Q4_1 = 0
+    Q8_0 = 1
+
+    @property
+    def block_bytes(self) -> int:
+        return 20 if self is BlockKind.Q4_1 else 34
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+
+
+def _build(compiler: str) -> Path:
+    """Compile the source once per (source, compiler, CPU) and return the shared library's path."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes()
+        + version.encode()
+        + " ".join(sorted(cpu_flags())).encode()
+        + " ".join(CFLAGS).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / key / "libpdserve_quant.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: engines starting together never load a half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *CFLAGS, str(SOURCE), "-o", partial]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        os.unlink(partial)
+        raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+    os.replace(partial, target)
+    logger.info("built the quantized-weight kernels: %s", target)
+    return target
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (built on first call); raises ``RuntimeError`` when they cannot be."""
+    global _library, _load_error
+    with _lock:
+        if _library is None and _load_error is None:
+            compiler = _compiler()
+            try:
+                if compiler is None:
+                    raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+                lib = ctypes.CDLL(str(_build(compiler)))
+            except (RuntimeError, OSError) as exc:
+                _load_error = str(exc)
+            else:
+                i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+                lib.pd_quant_matmul.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
+                lib.pd_quant_matmul.restype = None
+                lib.pd_quant_dequant.argtypes = [cint, ptr, i64, ptr, i64, ptr, cint, cint]
+                lib.pd_quant_dequant.restype = None
+                _library = lib
+        if _library is None:
+            raise RuntimeError(f"quantized-weight kernels unavailable: {_load_error}")
+        return _library
+
+
+def available() -> bool:
+    """True when the C kernels build and load here (logged once when they do not)."""
+    try:
+        library()
+    except RuntimeError as exc:
+        logger.warning("%s; quantized weights use the torch reference", exc)
+        return False
+    return True
+
+
+def _check(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise ValueError("weight blocks must be a contiguous uint8 tensor")
+    if in_features % BLOCK_SIZE:
+        raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK_SIZE}")
+    if blocks.shape[-1] != in_features // BLOCK_SIZE * kind.block_bytes:
+        raise ValueError(f"{kind.name} rows of {blocks.shape[-1]} bytes do not hold {in_features} weights")
+
+
+def quant_matmul(x: torch.Tensor, kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``W`` held as ``blocks [N, K / 32 * block_bytes]``; same dtype as x."""
+    _check(kind, blocks, in_features)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"activations must be float32 or bfloat16, not {x.dtype}")
+    x = x.contiguous()
+    rows, out_features = x.shape[0], blocks.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    is_bf16 = int(x.dtype == torch.bfloat16)
+    library().pd_quant_matmul(
+        int(kind),
+        x.data_ptr(),
+        is_bf16,
+        rows,
+        in_features,
+        blocks.data_ptr(),
+        out_features,
+        out.data_ptr(),
+        is_bf16,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def quant_dequantize(
+    kind: BlockKind,
+    blocks: torch.Tensor,
+    in_features: int,
+    dtype: torch.dtype,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``W[rows]`` (every row when ``rows`` is None) decoded to ``dtype`` (float32 or bfloat16)."""
+    _check(kind, blocks, in_features)
+    index = None if rows is None else rows.to(torch.int64).contiguous()
+    count = blocks.shape[0] if index is None else index.numel()
+    if index is not None and count and (int(index.min()) < 0 or int(index.max()) >= blocks.shape[0]):
+        raise IndexError(f"row index out of range for {blocks.shape[0]} rows")
+    out = torch.empty(count, in_features, dtype=dtype)
+    library().pd_quant_dequant(
+        int(kind),
+        blocks.data_ptr(),
+        in_features,
+        None if index is None else index.data_ptr(),
+        count,
+        out.data_ptr(),
+        int(dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+# --- torch reference: what the kernels compute, written for clarity (tests and no-compiler hosts) ---
+
+
+def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``."""
+    _check(kind, blocks, in_features)
+    rows = blocks.shape[0]
+    per_block = blocks.view(rows, in_features // BLOCK_SIZE, kind.block_bytes)
+    if kind is BlockKind.Q4_1:
+        scale = per_block[..., 0:2].contiguous().view(torch.float16).float()
+        minimum = per_block[..., 2:4].contiguous().view(torch.float16).float()
+        nibbles = per_block[..., 4:].to(torch.int32)
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
+        weights = q * scale + minimum
+    else:
+        scale = per_block[..., 0:2].contiguous().view(torch.float16).float()
+        q = per_block[..., 2:].contiguous().view(torch.int8).float()
+        weights = q * scale
+    return weights.reshape(rows, in_features)
+
+
+def quant_matmul_ref(
+    x: torch.Tensor, kind: BlockKind, blocks: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """``quant_matmul`` by dequantizing to fp32 and one fp32 matmul."""
+    return (x.float() @ dequantize_ref(kind, blocks, in_features).T).to(x.dtype)
