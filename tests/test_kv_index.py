@@ -118,3 +118,22 @@ def test_kv_policy_weighs_matched_blocks_against_load_and_falls_back_to_prefix_u
     d1.remember_blocks([7, 8])  # the prefix policy's guess
     assert not_in_sync.pick([d0, d1], [7, 8]).address == "d1"
     assert not_in_sync.expected_blocks(d1, [7, 8]) == 2
+
+
+def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
+    from pdserve.bench.routing import Workload, verdict
+
+    workload = Workload(tenants=3, users=2, system_len=32, user_len=8, question_len=4, requests=10, seed=1)
+    prompts = workload.prompts()
+    assert prompts == workload.prompts()  # every policy gets the same requests
+    systems = {tenant: prompt[:32] for tenant, prompt in prompts}
+    assert all(prompt[:32] == systems[tenant] and len(prompt) == 44 for tenant, prompt in prompts)
+
+    def row(repeat: int, policy: str, hit: float, pulled: float) -> dict:
+        return {"repeat": repeat, "policy": policy, "prefill_hit_rate": hit, "pulled_blocks_per_req": pulled}
+
+    rows = [row(0, "prefix", 0.5, 10), row(0, "kv", 0.6, 9), row(1, "prefix", 0.6, 9), row(1, "kv", 0.59, 8)]
+    assert verdict(rows) == {
+        "kv_beats_prefix_on_hit_rate_every_repeat": False,
+        "kv_beats_prefix_on_blocks_pulled_every_repeat": True,
+    }

@@ -183,9 +183,10 @@ class EnginePool:
             serving, reason = False, exc.code().name
         else:
             reason = "not SERVING"
-        # With KV events, Info is asked every time: an engine restarted between two checks has a
-        # new instance id (and event ports), and its old index entries must go.
-        if serving and (engine.info is None or not engine.healthy or self.kv_events is not None):
+        # An engine publishing KV events is asked every time: restarted between two checks, it
+        # has a new instance id (and event ports), and its old index entries must go.
+        publishes = self.kv_events is not None and engine.info is not None and engine.info.kv_events_port > 0
+        if serving and (engine.info is None or not engine.healthy or publishes):
             try:
                 engine.info = await engine.stub.Info(engine_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
