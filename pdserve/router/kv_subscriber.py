@@ -89,6 +89,10 @@ class EngineEventStream:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.engine}")
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     def stop(self) -> None:
         """Stop reading and forget the engine's entries (synchronously: routing sees it at once)."""
         if self._task is not None:
@@ -236,13 +240,13 @@ class KVEventTracker:
     def engine_up(self, address: str, instance_id: str, port: int, replay_port: int) -> None:
         """An engine answered Info while healthy: follow its events (again, if it restarted)."""
         stream = self.streams.get(address)
-        if stream is not None and self.instances.get(address) == instance_id:
+        same_instance = self.instances.get(address) == instance_id
+        if stream is not None and same_instance and stream.running:
             return
         if stream is not None:
-            logger.info(
-                "%s restarted (new instance %s): its KV index entries are dropped", address, instance_id
-            )
-            stream.stop()
+            if not same_instance:
+                logger.info("%s restarted (new instance %s): its KV index entries go", address, instance_id)
+            stream.stop()  # (a stream that failed starts over)
         if not port:
             self.streams.pop(address, None)
             return
