@@ -79,7 +79,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover", "throughput", "peers", "step")
+BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover", "throughput", "peers", "step", "routing")
 
 
 def _bench(what: str, rest: list[str]) -> int:

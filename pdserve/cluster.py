@@ -184,6 +184,7 @@ class LocalCluster:
         base_port: int | None = None,
         kv_transport: str = "auto",
         policy: str | None = None,
+        kv_events: bool = False,
         engine_args: Sequence[str] = (),
         router_args: Sequence[str] = (),
         api_keys: Sequence[str] = (),
@@ -211,6 +212,7 @@ class LocalCluster:
         self.base_port = base_port
         self.kv_transport = kv_transport
         self.policy = policy
+        self.kv_events = kv_events  # engines publish KV-cache events on ports they pick
         self.engine_args = list(engine_args)
         self.router_args = list(router_args)
         # Keys the router accepts, on top of any its environment gives it ($PDSERVE_API_KEYS).
@@ -393,6 +395,8 @@ class LocalCluster:
             return argv + self.router_args
         argv += ["--host", self.host, "--port", str(port), "--metrics-port", str(metrics_port)]
         argv += ["--kv-transport", self.kv_transport]
+        if self.kv_events:
+            argv += ["--kv-events-port", "0"]
         if self.model:
             argv += ["--model", self.model]
         return argv + self.engine_args
@@ -452,7 +456,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="process k (router 0, then engines) gets B+2k, metrics B+2k+1",
     )
     parser.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS))
-    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
+    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix", "kv"])
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="engines publish KV-cache events (on free ports) and the router routes on them (policy kv)",
+    )
     parser.add_argument(
         "--engine-args",
         default="",
@@ -515,6 +524,7 @@ def main(args: argparse.Namespace) -> int:
             base_port=args.base_port,
             kv_transport=args.kv_transport,
             policy=args.policy,
+            kv_events=args.kv_events,
             engine_args=shlex.split(args.engine_args),
             router_args=router_args,
             api_keys=args.api_key or (),

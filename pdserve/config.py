@@ -172,6 +172,26 @@ class KVTransferConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """Where an engine publishes its KV-cache events (``pdserve.engine.kv_events``): a PUB
+    socket on ``port`` and its replay ROUTER socket on ``port + 1``; port 0 picks two free
+    ports (the engine's Info says which)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    buffer_steps: int = 10_000  # batches kept for replay
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65535:
+            raise ValueError(f"kv_events port must be in [0, 65534] (replay uses port + 1), got {self.port}")
+        _require_positive(buffer_steps=self.buffer_steps)
+
+    @property
+    def replay_port(self) -> int:
+        return self.port + 1 if self.port else 0
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine core process needs to start, as one JSON-serialisable object."""
 
@@ -180,6 +200,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv_transfer: KVTransferConfig | None = None
     threads: int = 0  # torch intra-op threads of the core; 0: from the CPUs it may use
+    kv_events: KVEventsConfig | None = None  # None: no KV-cache events (the default)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -194,4 +215,5 @@ class EngineConfig:
             cache=CacheConfig(**data["cache"]),
             kv_transfer=KVTransferConfig(**kv) if kv else None,
             threads=int(data.get("threads", 0)),
+            kv_events=KVEventsConfig(**data["kv_events"]) if data.get("kv_events") else None,
         )

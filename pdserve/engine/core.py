@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.connector.base import KVConnectorBase
+from pdserve.engine.kv_events import EventBatch, KVEventPublisher
 from pdserve.engine.model.loader import LoadedModel
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdserve.engine.request import Request, RequestStatus, SamplingParams, validate_prompt
@@ -91,6 +92,26 @@ class EngineCore:
         self.joins_in_flight = scheduler_config.handover_step == "inflight" and connector is not None
         self._max_join_layer = int(self.runner.num_layers * INFLIGHT_JOIN_MAX_LAYER_FRACTION)
         self.num_joined_in_flight = 0  # requests that joined a step in flight (a counter)
+        self.kv_events: KVEventPublisher | None = None
+
+    def attach_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Publish this engine's KV-cache events: one batch per step that changed the cache."""
+        self.kv_events = publisher
+        self.scheduler.kv_cache_manager.block_pool.enable_events()
+        self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Send what the block pool recorded since the last call as one batch (one sequence
+        number), and a snapshot of the whole cache after it if a subscriber asked for one."""
+        if self.kv_events is None:
+            return
+        pool = self.scheduler.kv_cache_manager.block_pool
+        events = pool.take_events()
+        if self.kv_events.snapshot_wanted.is_set():
+            self.kv_events.snapshot_wanted.clear()
+            events += pool.snapshot_events()
+        if events:
+            self.kv_events.publish(EventBatch(time.time(), events))
 
     # ------------------------------------------------------------------ inputs
 
@@ -261,12 +282,14 @@ class EngineCore:
             for item in deferred + receive(timeout):
                 self._handle_input(item, emit)
             if not self.has_work():
+                self.publish_kv_events()  # an abort or a reset changed the cache; or a snapshot
                 continue
             self._stepping = True
             try:
                 outputs = self.step()
             finally:
                 self._stepping = False
+            self.publish_kv_events()
             if outputs:
                 emit(outputs)
             if self.last_step_num_tokens == 0 and self.scheduler.has_requests():
@@ -320,3 +343,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()

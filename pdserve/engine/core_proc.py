@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import uuid
 from typing import Any
 
 import zmq
@@ -20,6 +21,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
 from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list
+from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.outputs import EngineCoreOutput
 
 logger = logging.getLogger("pdserve.core")
@@ -133,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         # Before any torch work: threads sized to this process's CPUs, not the machine's.
         threads = configure_torch_threads(config.threads)
         core = build_engine_core(config)
+        if config.kv_events is not None:
+            core.attach_kv_events(
+                KVEventPublisher(
+                    config.kv_events.host,
+                    config.kv_events.port,
+                    config.kv_events.replay_port,
+                    config.kv_events.buffer_steps,
+                )
+            )
         server = CoreServer(core, args.input, args.output)
         info = messages.CoreInfo(
             vocab_size=core.vocab_size,
@@ -147,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             quantization=core.loaded.quantization,
             weights=core.loaded.weights,
             weight_bytes=core.loaded.weight_bytes,
+            instance_id=uuid.uuid4().hex,
+            kv_events_port=core.kv_events.port if core.kv_events is not None else 0,
+            kv_events_replay_port=core.kv_events.replay_port if core.kv_events is not None else 0,
         )
         server.send(messages.Ready(info))
         logger.info("engine core ready (%s)", info)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pdserve.engine.request import Request
 
 
@@ -103,6 +104,12 @@ class BlockPool:
 
     A cached block (one with a hash) may be in use (``ref_cnt > 0``) or an eviction candidate
     in the free queue; it leaves the cache only when it is reused for new content.
+
+    With events on (``enable_events``), every change to the set of cached hashes is recorded
+    for the KV-event publisher: ``BlockStored`` when a hash enters the index (its first block),
+    ``BlockRemoved`` when it leaves (its last block), ``AllBlocksCleared`` on a reset. Since
+    blocks are not de-duplicated, a hash cached twice is reported once: a subscriber's index
+    is a set of hashes, and it is exact.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -113,6 +120,36 @@ class BlockPool:
         # {block_hash: {block_id: block}}: blocks are not de-duplicated, so block tables stay
         # append-only even when two requests computed the same block concurrently.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # Events since the last take_events(); None while events are off (nothing recorded).
+        self.pending_events: list[KVCacheEvent] | None = None
+        # {block_hash: parent's hash value}, while events are on: snapshots need the parents.
+        self._parents: dict[BlockHash, int | None] = {}
+
+    def enable_events(self) -> None:
+        """Start recording KV events; the first one says the cache starts empty."""
+        self.pending_events = [AllBlocksCleared(), *self.snapshot_events()[1:]]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (the engine publishes them once per step)."""
+        if not self.pending_events:
+            return []
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def snapshot_events(self) -> list[KVCacheEvent]:
+        """``AllBlocksCleared`` plus one ``BlockStored`` per cached hash: the whole index, for a
+        subscriber whose replay no longer reaches back far enough."""
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for block_hash in self.cached_block_hash_to_block:
+            events.append(
+                BlockStored(
+                    [block_hash.hash_value],
+                    self._parents.get(block_hash),
+                    list(block_hash.token_ids),
+                    len(block_hash.token_ids),
+                )
+            )
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -144,6 +181,9 @@ class BlockPool:
             same_hash.pop(block.block_id, None)
             if not same_hash:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.pending_events is not None:
+                    self._parents.pop(block.block_hash, None)
+                    self.pending_events.append(BlockRemoved([block.block_hash.hash_value]))
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -165,11 +205,36 @@ class BlockPool:
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int
     ) -> None:
         """Index ``blocks[start:end]`` under ``block_hashes[start:end]``."""
+        new_run: list[int] = []  # indices of hashes new to the index, in a consecutive run
         for i in range(start, end):
             block = blocks[i]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
             block.block_hash = block_hashes[i]
-            self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
+            same_hash = self.cached_block_hash_to_block.setdefault(block.block_hash, {})
+            is_new = not same_hash
+            same_hash[block.block_id] = block
+            if self.pending_events is None:
+                continue
+            if is_new:
+                self._parents[block.block_hash] = block_hashes[i - 1].hash_value if i > 0 else None
+                if new_run and new_run[-1] != i - 1:
+                    self._record_stored(block_hashes, new_run)
+                    new_run = []
+                new_run.append(i)
+        if new_run:
+            self._record_stored(block_hashes, new_run)
+
+    def _record_stored(self, block_hashes: list[BlockHash], run: list[int]) -> None:
+        assert self.pending_events is not None
+        first = run[0]
+        self.pending_events.append(
+            BlockStored(
+                [block_hashes[i].hash_value for i in run],
+                block_hashes[first - 1].hash_value if first > 0 else None,
+                [t for i in run for t in block_hashes[i].token_ids],
+                len(block_hashes[first].token_ids),
+            )
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
@@ -178,6 +243,9 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.pending_events is not None:
+            self._parents.clear()
+            self.pending_events.append(AllBlocksCleared())
         return True
 
     @property

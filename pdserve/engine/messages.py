@@ -87,6 +87,9 @@ class CoreInfo:
     quantization: str = "none"  # --quantization
     weights: str = ""  # what the weights are held as ("Q4_1 x210, Q8_0 x1, bfloat16")
     weight_bytes: int = 0  # their bytes in memory
+    instance_id: str = ""  # random per core start: a restarted engine is a new instance
+    kv_events_port: int = 0  # its KV-event PUB port; 0: events off
+    kv_events_replay_port: int = 0  # and its replay ROUTER port
 
 
 @dataclass(frozen=True)

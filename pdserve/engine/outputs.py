@@ -84,6 +84,7 @@ class EngineCoreOutput:
     kv_transfer_params: dict[str, Any] | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # of the prompt, found in this engine's prefix cache
     # {event: unix time} of the request's life-cycle events since its previous output.
     timeline: dict[str, float] | None = None
 

@@ -167,6 +167,9 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     # Tokens found in the local prefix cache (or loaded remotely) at first scheduling; -1 = not yet.
     num_cached_tokens: int = field(default=-1, init=False)
+    # Tokens found in this engine's own prefix cache at admission (not pulled): what a router's
+    # KV-event index should have predicted. -1 until admitted.
+    num_prefix_hit_tokens: int = field(default=-1, init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(default_factory=list, init=False)
     stop_reason: int | str | None = field(default=None, init=False)

@@ -388,6 +388,8 @@ class Scheduler(SchedulerInterface):
                 break  # out of blocks: later requests wait too (no overtaking)
             if first_lookup:
                 self.kv_cache_manager.record_prefix_query(request.num_tokens, num_local_tokens)
+                if request.num_prefix_hit_tokens < 0:
+                    request.num_prefix_hit_tokens = num_local_tokens
 
             if self.connector is not None:
                 self.connector.update_state_after_alloc(
@@ -447,6 +449,8 @@ class Scheduler(SchedulerInterface):
             if new_block_ids is None:
                 break  # out of blocks: schedule() decides who gets them
             self.kv_cache_manager.record_prefix_query(request.num_tokens, num_local_tokens)
+            if request.num_prefix_hit_tokens < 0:
+                request.num_prefix_hit_tokens = num_local_tokens
             self.connector.update_state_after_alloc(
                 request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens
             )
@@ -590,6 +594,7 @@ class Scheduler(SchedulerInterface):
                         kv_transfer_params=kv_transfer_params,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        num_prefix_hit_tokens=max(request.num_prefix_hit_tokens, 0),
                         timeline=request.take_timeline(),
                     )
                 )

@@ -27,6 +27,7 @@ from pdserve.config import (
     QUANTIZATION_CHOICES,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -100,6 +101,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     finish_reason=output.finish_reason or "",
                     kv_transfer_params=kv_params_to_proto(output.kv_transfer_params),
                     num_cached_tokens=output.num_cached_tokens,
+                    num_prefix_hit_tokens=output.num_prefix_hit_tokens,
                     timeline=timeline,
                 )
                 if finished:
@@ -149,6 +151,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             quantization=info.quantization,
             weights=info.weights,
             weight_bytes=info.weight_bytes,
+            instance_id=info.instance_id,
+            kv_events_port=info.kv_events_port,
+            kv_events_replay_port=info.kv_events_replay_port,
         )
 
 
@@ -347,6 +352,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to finish running requests and leases before exiting",
     )
     parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish KV-cache events (vLLM's wire format) on a ZMQ PUB socket on this port, with "
+        "a replay socket on the next one; 0 picks free ports, which Info reports (default: off)",
+    )
+    parser.add_argument(
         "--cluster-token", default=None, help="HMAC key for the KV side channel (or PDSERVE_CLUSTER_TOKEN)"
     )
 
@@ -385,6 +397,9 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
         ),
         kv_transfer=kv,
         threads=args.threads,
+        kv_events=KVEventsConfig(host=args.host, port=args.kv_events_port)
+        if args.kv_events_port is not None
+        else None,
     )
 
 

@@ -5,6 +5,10 @@ service): an engine that fails, or reports NOT_SERVING because it is draining, l
 rotation at once and rejoins when it answers SERVING again. Engines are also marked down the
 moment a call to them fails with UNAVAILABLE.
 
+Engines that publish KV-cache events (their Info names an event port) are followed by the
+pool's ``KVEventTracker``: from the moment an engine is healthy; and an engine that goes down,
+leaves the pool or comes back as a new instance loses its index entries at once.
+
 Engines named by ``dns:NAME:PORT`` (``discovery.py``) are looked up again every
 ``discovery_interval`` seconds: a new address joins the pool (in rotation once its health check
 says SERVING); a vanished one gets no new request and is dropped once its requests have ended.
@@ -16,12 +20,14 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.discovery import EngineSource, Resolver, grpc_address
+from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -46,6 +52,8 @@ class EngineHandle:
     retired: bool = False  # its DNS name no longer lists it: no new requests, dropped when idle
     # Recently sent prompt blocks (an LRU of chained block hashes): what its prefix cache may hold.
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    # Called when the engine goes down (the pool drops its KV index entries).
+    on_down: Callable[[EngineHandle], None] | None = field(default=None, repr=False)
 
     def remember_blocks(self, block_hashes: list) -> None:
         for block_hash in block_hashes:
@@ -66,6 +74,8 @@ class EngineHandle:
         if self.healthy:
             logger.warning("%s engine %s is down: %s", self.role, self.address, reason)
         self.healthy = False
+        if self.on_down is not None:
+            self.on_down(self)
 
 
 class EnginePool:
@@ -75,6 +85,7 @@ class EnginePool:
         decode: list[str],
         discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL_S,
         dns_server: str | None = None,
+        kv_events: KVEventTracker | None = None,
     ) -> None:
         self.sources = [
             EngineSource.parse(role, spec)
@@ -82,6 +93,7 @@ class EnginePool:
             for spec in specs
         ]
         self.discovery_interval = discovery_interval
+        self.kv_events = kv_events  # follows every engine's KV-cache events (None: don't)
         self.resolver = Resolver(dns_server) if any(s.dns for s in self.sources) else None
         self.engines: list[EngineHandle] = []
         for source in self.sources:
@@ -98,9 +110,21 @@ class EnginePool:
             channel=channel,
             stub=engine_pb2_grpc.EngineStub(channel),
             health=health_pb2_grpc.HealthStub(channel),
+            on_down=self._engine_gone,
         )
         self.engines.append(engine)
         return engine
+
+    def _engine_gone(self, engine: EngineHandle) -> None:
+        if self.kv_events is not None:
+            self.kv_events.engine_gone(engine.address)
+
+    def _engine_up(self, engine: EngineHandle) -> None:
+        if self.kv_events is not None and engine.info is not None:
+            info = engine.info
+            self.kv_events.engine_up(
+                engine.address, info.instance_id, info.kv_events_port, info.kv_events_replay_port
+            )
 
     def of_role(self, role: str, healthy_only: bool = True) -> list[EngineHandle]:
         return [
@@ -134,15 +158,19 @@ class EnginePool:
                 if engine.retired and listed:
                     logger.info("%s engine %s is listed again", role, address)
                     engine.retired = False
+                    if engine.healthy:
+                        self._engine_up(engine)
                 elif not engine.retired and not listed:
                     logger.info("%s engine %s is no longer listed: no new requests", role, address)
                     engine.retired = True
+                    self._engine_gone(engine)
         await self._drop_retired()
 
     async def _drop_retired(self) -> None:
         for engine in [e for e in self.engines if e.retired and e.in_flight == 0]:
             logger.info("%s engine %s dropped from the pool", engine.role, engine.address)
             self.engines.remove(engine)
+            self._engine_gone(engine)
             await engine.channel.close()
 
     async def check(self, engine: EngineHandle) -> None:
@@ -155,11 +183,17 @@ class EnginePool:
             serving, reason = False, exc.code().name
         else:
             reason = "not SERVING"
-        if serving and (engine.info is None or not engine.healthy):
+        # An engine publishing KV events is asked every time: restarted between two checks, it
+        # has a new instance id (and event ports), and its old index entries must go.
+        publishes = self.kv_events is not None and engine.info is not None and engine.info.kv_events_port > 0
+        if serving and (engine.info is None or not engine.healthy or publishes):
             try:
                 engine.info = await engine.stub.Info(engine_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 serving, reason = False, f"Info failed: {exc.code().name}"
+            else:
+                if not engine.retired:
+                    self._engine_up(engine)  # a new instance id: its old entries go
         if serving and not engine.healthy:
             logger.info("%s engine %s is healthy", engine.role, engine.address)
             engine.recent_blocks.clear()  # it may have restarted with an empty prefix cache
@@ -194,5 +228,7 @@ class EnginePool:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.kv_events is not None:
+            self.kv_events.close()
         for engine in self.engines:
             await engine.channel.close()

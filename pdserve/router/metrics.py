@@ -1,4 +1,5 @@
-"""Prometheus metrics of the router: requests, TTFT, inter-token latency, transfer time, load."""
+"""Prometheus metrics of the router: requests, TTFT, inter-token latency, transfer time, load,
+and the KV-event index (its size, events, replays, resyncs, and how well it predicted hits)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Engine-reported prefix hit minus the router's expectation, in blocks (0: exact).
+_HIT_ERROR_BUCKETS = (-64, -16, -4, -2, -1, -0.5, 0, 0.5, 1, 2, 4, 16, 64)
 
 
 class RouterMetrics:
@@ -49,6 +52,50 @@ class RouterMetrics:
             "pdserve_router_engine_healthy",
             "1 if the engine is in rotation",
             ["role", "engine"],
+            registry=self.registry,
+        )
+
+        self.kv_index_blocks = Gauge(
+            "pdserve_router_kv_index_blocks",
+            "Blocks the KV-event index says each engine's prefix cache holds",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.kv_events = Counter(
+            "pdserve_router_kv_events",
+            "KV-cache events applied to the index",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.kv_events_rate = Gauge(
+            "pdserve_router_kv_events_per_second",
+            "KV-cache events applied per second (over the last 10 s)",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.kv_in_sync = Gauge(
+            "pdserve_router_kv_in_sync",
+            "1 while the engine's index is exact (policy kv uses it; else prefix's guess)",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.kv_replays = Counter(
+            "pdserve_router_kv_replays",
+            "Gaps in an engine's KV event sequence filled from its replay buffer",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.kv_resyncs = Counter(
+            "pdserve_router_kv_resyncs",
+            "Gaps the replay buffer no longer covered: entries dropped, rebuilt from a snapshot",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.kv_hit_error = Histogram(
+            "pdserve_router_kv_hit_error_blocks",
+            "Prefix-cache hit an engine reported minus the router's expectation, in blocks",
+            ["role"],
+            buckets=_HIT_ERROR_BUCKETS,
             registry=self.registry,
         )
 

@@ -29,8 +29,9 @@ from pdserve.router.auth import (
 )
 from pdserve.router.engines import DEFAULT_DISCOVERY_INTERVAL_S, EnginePool
 from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
+from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import POLICIES, RoutingPolicy
+from pdserve.router.policies import DEFAULT_KV_LOAD_WEIGHT, POLICIES, RoutingPolicy
 from pdserve.router.service import RouterServicer
 from pdserve.router.trace import TraceLog
 from pdserve.tls import ServerTls
@@ -70,7 +71,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="the engines' model, for its tokenizer (default: bundled)"
     )
-    parser.add_argument("--policy", default="prefix", choices=POLICIES)
+    parser.add_argument(
+        "--policy",
+        default="kv",
+        choices=POLICIES,
+        help="kv (the default): by what each engine's prefix cache holds, from the KV-cache events "
+        "engines started with --kv-events-port publish; as prefix (the router's guess) for engines "
+        "that publish none",
+    )
+    parser.add_argument(
+        "--kv-load-weight",
+        type=float,
+        default=DEFAULT_KV_LOAD_WEIGHT,
+        help="policy kv: score = matched blocks - WEIGHT x requests in flight (see pdserve.router.policies)",
+    )
     parser.add_argument(
         "--disagg-min-tokens",
         type=int,
@@ -121,16 +135,18 @@ async def serve_router(
     protect_metrics = bool(getattr(args, "protect_metrics", False))
 
     tokenizer = load_tokenizer(args.model)
-    pool = EnginePool(
-        _addresses(args.prefill), _addresses(args.decode), args.discovery_interval, args.dns_server
-    )
     metrics = RouterMetrics()
+    kv_events = KVEventTracker(metrics)
+    pool = EnginePool(
+        _addresses(args.prefill), _addresses(args.decode), args.discovery_interval, args.dns_server, kv_events
+    )
     if args.metrics_port is not None:
         gate = (lambda app: wsgi_key_gate(app, keys)) if keys and protect_metrics else None
         metrics.serve(args.host, args.metrics_port, gate)
     trace = TraceLog(args.trace_file)
+    policy = RoutingPolicy(args.policy, kv_events, args.kv_load_weight)
     servicer = RouterServicer(
-        pool, tokenizer, RoutingPolicy(args.policy), metrics, args.disagg_min_tokens, args.max_inflight, trace
+        pool, tokenizer, policy, metrics, args.disagg_min_tokens, args.max_inflight, trace
     )
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],

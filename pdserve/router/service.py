@@ -70,6 +70,8 @@ class LiveRequest:
     calls: list = field(default_factory=list)  # its engine streams in flight (cancelled on abort)
     aborted: bool = False
     cut_short: bool = False  # ended by the router (a stop string) while engines still hold it
+    # {role: prompt blocks the router expected the picked engine's prefix cache to hold}
+    expected_hit_blocks: dict[str, int] = field(default_factory=dict)
 
     def abort(self) -> None:
         """Stop relaying now: cancel every engine stream (each engine then frees the request)."""
@@ -249,7 +251,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decodes = self.pool.of_role("decode")
         if not decodes:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode engine")
-        decode_hit = max(d.cached_prefix_blocks(block_hashes) for d in decodes) * block_size
+        decode_hit = max(self.policy.expected_blocks(d, block_hashes) for d in decodes) * block_size
         direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
 
         if direct:
@@ -346,6 +348,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not candidates:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} engine")
             engine = self.policy.pick(candidates, block_hashes)
+            # The last token is never a cache hit (its logits must be computed).
+            live.expected_hit_blocks[role] = min(
+                self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // self._limits()[2]
+            )
             tried.add(engine.address)
             live.engines.append(engine)
             engine.in_flight += 1
@@ -449,6 +455,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         self.metrics.itl.observe(now - last_token_at)
                     last_token_at = now
                 timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
+                if f"{engine.role}_hit_blocks" not in timings and (tokens or message.finish_reason):
+                    self._record_hits(live, engine.role, message, timings, pulled=prefill_done is not None)
                 timings["num_cached_tokens"] = max(
                     timings.get("num_cached_tokens", 0), message.num_cached_tokens
                 )
@@ -475,6 +483,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield out, message
                 if final:
                     return
+
+    def _record_hits(
+        self,
+        live: LiveRequest,
+        role: str,
+        message: engine_pb2.EngineGenerateResponse,
+        timings: dict,
+        pulled: bool,
+    ) -> None:
+        """The prefix-cache hit the engine reported against the router's expectation (a
+        histogram of the difference), and the blocks a decode engine pulled from prefill."""
+        block_size = self._limits()[2]
+        hit = message.num_prefix_hit_tokens // block_size
+        expected = live.expected_hit_blocks.get(role, 0)
+        timings[f"{role}_hit_blocks"] = hit
+        timings[f"expected_{role}_hit_blocks"] = expected
+        self.metrics.kv_hit_error.labels(role=role).observe(hit - expected)
+        if pulled:
+            external = max(0, message.num_cached_tokens - message.num_prefix_hit_tokens)
+            timings["decode_pulled_blocks"] = -(-external // block_size)
 
     async def _abort_on_engines(self, live: LiveRequest) -> None:
         for engine in {e.address: e for e in live.engines}.values():
@@ -527,4 +555,9 @@ def _metrics(timings: dict, timeline: dict[str, float]) -> router_pb2.RequestMet
         num_cached_tokens=int(timings.get("num_cached_tokens", 0)),
         num_prompt_tokens=int(timings.get("num_prompt_tokens", 0)),
         stop_reason=str(timings.get("stop_reason", "")),
+        expected_prefill_hit_blocks=int(timings.get("expected_prefill_hit_blocks", 0)),
+        prefill_hit_blocks=int(timings.get("prefill_hit_blocks", 0)),
+        expected_decode_hit_blocks=int(timings.get("expected_decode_hit_blocks", 0)),
+        decode_hit_blocks=int(timings.get("decode_hit_blocks", 0)),
+        decode_pulled_blocks=int(timings.get("decode_pulled_blocks", 0)),
     )

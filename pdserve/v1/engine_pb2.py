@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe0\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x38\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x1f\n\x17num_prior_output_tokens\x18\x06 \x01(\r\"\xaf\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x38\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x42\n\x08timeline\x18\x07 \x03(\x0b\x32\x30.pdserve.v1.EngineGenerateResponse.TimelineEntry\x1a/\n\rTimelineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\xac\x02\n\nEngineInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x14\n\x0ckv_transport\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x15\n\rtorch_threads\x18\x0b \x01(\r\x12\x0c\n\x04\x63pus\x18\x0c \x01(\t\x12\x14\n\x0cquantization\x18\r \x01(\t\x12\x0f\n\x07weights\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x04\x32\x90\x02\n\x06\x45ngine\x12S\n\x08Generate\x12!.pdserve.v1.EngineGenerateRequest\x1a\".pdserve.v1.EngineGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.EngineStats\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe0\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x38\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x1f\n\x17num_prior_output_tokens\x18\x06 \x01(\r\"\xce\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x38\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x42\n\x08timeline\x18\x07 \x03(\x0b\x32\x30.pdserve.v1.EngineGenerateResponse.TimelineEntry\x12\x1d\n\x15num_prefix_hit_tokens\x18\x08 \x01(\r\x1a/\n\rTimelineEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\xf8\x02\n\nEngineInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x14\n\x0ckv_transport\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x15\n\rtorch_threads\x18\x0b \x01(\r\x12\x0c\n\x04\x63pus\x18\x0c \x01(\t\x12\x14\n\x0cquantization\x18\r \x01(\t\x12\x0f\n\x07weights\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x04\x12\x13\n\x0binstance_id\x18\x10 \x01(\t\x12\x16\n\x0ekv_events_port\x18\x11 \x01(\r\x12\x1d\n\x15kv_events_replay_port\x18\x12 \x01(\r2\x90\x02\n\x06\x45ngine\x12S\n\x08Generate\x12!.pdserve.v1.EngineGenerateRequest\x1a\".pdserve.v1.EngineGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.EngineStats\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEGENERATEREQUEST']._serialized_start=65
   _globals['_ENGINEGENERATEREQUEST']._serialized_end=289
   _globals['_ENGINEGENERATERESPONSE']._serialized_start=292
-  _globals['_ENGINEGENERATERESPONSE']._serialized_end=595
-  _globals['_ENGINEGENERATERESPONSE_TIMELINEENTRY']._serialized_start=548
-  _globals['_ENGINEGENERATERESPONSE_TIMELINEENTRY']._serialized_end=595
-  _globals['_INFOREQUEST']._serialized_start=597
-  _globals['_INFOREQUEST']._serialized_end=610
-  _globals['_ENGINEINFO']._serialized_start=613
-  _globals['_ENGINEINFO']._serialized_end=913
-  _globals['_ENGINE']._serialized_start=916
-  _globals['_ENGINE']._serialized_end=1188
+  _globals['_ENGINEGENERATERESPONSE']._serialized_end=626
+  _globals['_ENGINEGENERATERESPONSE_TIMELINEENTRY']._serialized_start=579
+  _globals['_ENGINEGENERATERESPONSE_TIMELINEENTRY']._serialized_end=626
+  _globals['_INFOREQUEST']._serialized_start=628
+  _globals['_INFOREQUEST']._serialized_end=641
+  _globals['_ENGINEINFO']._serialized_start=644
+  _globals['_ENGINEINFO']._serialized_end=1020
+  _globals['_ENGINE']._serialized_start=1023
+  _globals['_ENGINE']._serialized_end=1295
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ class EngineGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "kv_transfer_params", "num_cached_tokens", "error", "timeline")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "kv_transfer_params", "num_cached_tokens", "error", "timeline", "num_prefix_hit_tokens")
     class TimelineEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class EngineGenerateResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -46,14 +47,15 @@ class EngineGenerateResponse(_message.Message):
     num_cached_tokens: int
     error: str
     timeline: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., timeline: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    num_prefix_hit_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., timeline: _Optional[_Mapping[str, float]] = ..., num_prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "vocab_size", "eos_token_id", "max_model_len", "block_size", "num_blocks", "engine_id", "kv_transport", "dtype", "torch_threads", "cpus", "quantization", "weights", "weight_bytes")
+    __slots__ = ("role", "model", "vocab_size", "eos_token_id", "max_model_len", "block_size", "num_blocks", "engine_id", "kv_transport", "dtype", "torch_threads", "cpus", "quantization", "weights", "weight_bytes", "instance_id", "kv_events_port", "kv_events_replay_port")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,9 @@ class EngineInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_REPLAY_PORT_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     vocab_size: int
@@ -84,4 +89,7 @@ class EngineInfo(_message.Message):
     quantization: str
     weights: str
     weight_bytes: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., engine_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., dtype: _Optional[str] = ..., torch_threads: _Optional[int] = ..., cpus: _Optional[str] = ..., quantization: _Optional[str] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    kv_events_port: int
+    kv_events_replay_port: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., engine_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., dtype: _Optional[str] = ..., torch_threads: _Optional[int] = ..., cpus: _Optional[str] = ..., quantization: _Optional[str] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1b\n\x13\x61pply_chat_template\x18\x06 \x01(\x08\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdd\x02\n\x0eRequestMetrics\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_engine\x18\x06 \x01(\t\x12\x15\n\rdecode_engine\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\r\x12\x13\n\x0bstop_reason\x18\n \x01(\t\x12?\n\x0btimeline_ms\x18\x0b \x03(\x0b\x32*.pdserve.v1.RequestMetrics.TimelineMsEntry\x1a\x31\n\x0fTimelineMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x07metrics\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.RequestMetrics\"7\n\x0bRouterStats\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.EngineStats2\xcb\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.RouterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1b\n\x13\x61pply_chat_template\x18\x06 \x01(\x08\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfb\x03\n\x0eRequestMetrics\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_engine\x18\x06 \x01(\t\x12\x15\n\rdecode_engine\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\r\x12\x13\n\x0bstop_reason\x18\n \x01(\t\x12?\n\x0btimeline_ms\x18\x0b \x03(\x0b\x32*.pdserve.v1.RequestMetrics.TimelineMsEntry\x12#\n\x1b\x65xpected_prefill_hit_blocks\x18\x0c \x01(\r\x12\x1a\n\x12prefill_hit_blocks\x18\r \x01(\r\x12\"\n\x1a\x65xpected_decode_hit_blocks\x18\x0e \x01(\r\x12\x19\n\x11\x64\x65\x63ode_hit_blocks\x18\x0f \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_pulled_blocks\x18\x10 \x01(\r\x1a\x31\n\x0fTimelineMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x07metrics\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.RequestMetrics\"7\n\x0bRouterStats\x12(\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.EngineStats2\xcb\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.RouterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=332
   _globals['_CHATMESSAGE']._serialized_end=376
   _globals['_REQUESTMETRICS']._serialized_start=379
-  _globals['_REQUESTMETRICS']._serialized_end=728
-  _globals['_REQUESTMETRICS_TIMELINEMSENTRY']._serialized_start=679
-  _globals['_REQUESTMETRICS_TIMELINEMSENTRY']._serialized_end=728
-  _globals['_GENERATERESPONSE']._serialized_start=731
-  _globals['_GENERATERESPONSE']._serialized_end=870
-  _globals['_ROUTERSTATS']._serialized_start=872
-  _globals['_ROUTERSTATS']._serialized_end=927
-  _globals['_ROUTER']._serialized_start=930
-  _globals['_ROUTER']._serialized_end=1133
+  _globals['_REQUESTMETRICS']._serialized_end=886
+  _globals['_REQUESTMETRICS_TIMELINEMSENTRY']._serialized_start=837
+  _globals['_REQUESTMETRICS_TIMELINEMSENTRY']._serialized_end=886
+  _globals['_GENERATERESPONSE']._serialized_start=889
+  _globals['_GENERATERESPONSE']._serialized_end=1028
+  _globals['_ROUTERSTATS']._serialized_start=1030
+  _globals['_ROUTERSTATS']._serialized_end=1085
+  _globals['_ROUTER']._serialized_start=1088
+  _globals['_ROUTER']._serialized_end=1291
 # @@protoc_insertion_point(module_scope)

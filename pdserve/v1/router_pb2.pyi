@@ -38,7 +38,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("ttft_ms", "prefill_ms", "transfer_ms", "decode_ms", "queue_ms", "prefill_engine", "decode_engine", "num_cached_tokens", "num_prompt_tokens", "stop_reason", "timeline_ms")
+    __slots__ = ("ttft_ms", "prefill_ms", "transfer_ms", "decode_ms", "queue_ms", "prefill_engine", "decode_engine", "num_cached_tokens", "num_prompt_tokens", "stop_reason", "timeline_ms", "expected_prefill_hit_blocks", "prefill_hit_blocks", "expected_decode_hit_blocks", "decode_hit_blocks", "decode_pulled_blocks")
     class TimelineMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,11 @@ class RequestMetrics(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PREFILL_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_DECODE_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -68,7 +73,12 @@ class RequestMetrics(_message.Message):
     num_prompt_tokens: int
     stop_reason: str
     timeline_ms: _containers.ScalarMap[str, float]
-    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_engine: _Optional[str] = ..., decode_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., timeline_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    expected_prefill_hit_blocks: int
+    prefill_hit_blocks: int
+    expected_decode_hit_blocks: int
+    decode_hit_blocks: int
+    decode_pulled_blocks: int
+    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_engine: _Optional[str] = ..., decode_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., stop_reason: _Optional[str] = ..., timeline_ms: _Optional[_Mapping[str, float]] = ..., expected_prefill_hit_blocks: _Optional[int] = ..., prefill_hit_blocks: _Optional[int] = ..., expected_decode_hit_blocks: _Optional[int] = ..., decode_hit_blocks: _Optional[int] = ..., decode_pulled_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "metrics")

@@ -1,0 +1,139 @@
+"""The router's side of KV events, without engines: the index, the stream's replay and resync,
+and the ``kv`` policy's choice.
+
+A ``KVEventPublisher`` on loopback ports stands in for an engine (it is the engine's own
+publisher); the router's ``EngineEventStream`` reads it in an asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventPublisher
+from pdserve.router.engines import EngineHandle
+from pdserve.router.kv_index import KVBlockIndex
+from pdserve.router.kv_subscriber import KVEventTracker
+from pdserve.router.policies import RoutingPolicy
+from pdserve.supervisor import pick_free_ports
+
+ENGINE = "127.0.0.1:1"  # the router knows engines by gRPC address; events go to its host
+
+
+def _stored(*hashes: int) -> BlockStored:
+    return BlockStored(list(hashes), None, [0] * 4 * len(hashes), 4)
+
+
+def test_index_matches_leading_blocks_only_and_forgets_an_engine_at_once():
+    index = KVBlockIndex()
+    index.store("a", [1, 2, 3])
+    index.store("b", [1, 3])
+    assert index.matched_blocks("a", [1, 2, 3, 4]) == 3
+    assert index.matched_blocks("b", [1, 2, 3]) == 1  # a hit must be a prefix
+    index.remove("a", [2])
+    assert index.matched_blocks("a", [1, 2, 3]) == 1
+    assert index.engines_of[1] == {"a", "b"}
+    index.clear("b")
+    assert index.engines_of == {1: {"a"}, 3: {"a"}} and "b" not in index.hashes_of
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_stream_replays_a_lost_batch_and_resyncs_from_a_snapshot_when_the_buffer_is_short(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KV_EVENTS_DROP_SEQS", "2")
+    port, replay_port = pick_free_ports("127.0.0.1", 2)
+    publisher = KVEventPublisher("127.0.0.1", port, replay_port, buffer_steps=4)
+
+    async def scenario() -> None:
+        tracker = KVEventTracker()
+        publisher.publish(EventBatch(0.0, [AllBlocksCleared()]))  # seq 0
+        tracker.engine_up(ENGINE, "instance-1", port, replay_port)
+        await _until(lambda: tracker.in_sync(ENGINE))
+        publisher.publish(EventBatch(0.0, [_stored(1, 2)]))  # seq 1
+        publisher.publish(EventBatch(0.0, [_stored(3)]))  # seq 2: lost on the PUB socket
+        publisher.publish(EventBatch(0.0, [BlockRemoved([1])]))  # seq 3: the gap shows
+        stream = tracker.streams[ENGINE]
+        await _until(lambda: stream.expected == 4)
+        assert stream.num_replays == 1 and stream.num_resyncs == 0
+        assert tracker.index.hashes_of[ENGINE] == {2, 3}
+
+        # A router that starts late, after the 4-batch buffer dropped seq 0 and 1.
+        for i in range(3):
+            publisher.publish(EventBatch(0.0, [_stored(10 + i)]))  # seq 4..6
+        late = KVEventTracker()
+        late.engine_up(ENGINE, "instance-1", port, replay_port)
+        await _until(lambda: publisher.snapshot_wanted.is_set())
+        late_stream = late.streams[ENGINE]
+        await _until(lambda: late_stream.num_resyncs == 1)
+        assert not late.in_sync(ENGINE)  # a subset only, until the snapshot
+        publisher.snapshot_wanted.clear()
+        snapshot = [AllBlocksCleared(), _stored(2), _stored(3), _stored(10), _stored(11), _stored(12)]
+        publisher.publish(EventBatch(0.0, snapshot))  # what the engine core sends next
+        await _until(lambda: late.in_sync(ENGINE))
+        assert late.index.hashes_of[ENGINE] == {2, 3, 10, 11, 12}
+
+        # Restarted (a new instance id): its entries go at once.
+        tracker.engine_up(ENGINE, "instance-2", 0, 0)
+        assert ENGINE not in tracker.index.hashes_of
+        tracker.close()
+        late.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.close()
+
+
+def _engine(role: str, address: str, in_flight: int = 0) -> EngineHandle:
+    unused: Any = None
+    return EngineHandle(
+        role, address, channel=unused, stub=unused, health=unused, healthy=True, in_flight=in_flight
+    )
+
+
+class _InSync(KVEventTracker):
+    def in_sync(self, address: str) -> bool:
+        return True
+
+
+def test_kv_policy_weighs_matched_blocks_against_load_and_falls_back_to_prefix_until_in_sync():
+    tracker = _InSync()
+    tracker.index.store("d0", [1, 2, 3, 4])
+    tracker.index.store("d1", [1])
+    d0, d1 = _engine("decode", "d0", in_flight=2), _engine("decode", "d1", in_flight=1)
+    policy = RoutingPolicy("kv", tracker, load_weight=1.0)
+    assert policy.pick([d0, d1], [1, 2, 3, 4]).address == "d0"  # 4 - 2 > 1 - 1
+    assert (
+        RoutingPolicy("kv", tracker, load_weight=4.0).pick([d0, d1], [1, 2, 3, 4]).address == "d1"
+    )  # 4-8 < 1-4
+    assert policy.expected_blocks(d0, [1, 2, 5]) == 2
+
+    not_in_sync = RoutingPolicy("kv", KVEventTracker())
+    d1.remember_blocks([7, 8])  # the prefix policy's guess
+    assert not_in_sync.pick([d0, d1], [7, 8]).address == "d1"
+    assert not_in_sync.expected_blocks(d1, [7, 8]) == 2
+
+
+def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
+    from pdserve.bench.routing import Workload, verdict
+
+    workload = Workload(tenants=3, users=2, system_len=32, user_len=8, question_len=4, requests=10, seed=1)
+    prompts = workload.prompts()
+    assert prompts == workload.prompts()  # every policy gets the same requests
+    systems = {tenant: prompt[:32] for tenant, prompt in prompts}
+    assert all(prompt[:32] == systems[tenant] and len(prompt) == 44 for tenant, prompt in prompts)
+
+    def row(repeat: int, policy: str, hit: float, pulled: float) -> dict:
+        return {"repeat": repeat, "policy": policy, "prefill_hit_rate": hit, "pulled_blocks_per_req": pulled}
+
+    rows = [row(0, "prefix", 0.5, 10), row(0, "kv", 0.6, 9), row(1, "prefix", 0.6, 9), row(1, "kv", 0.59, 8)]
+    assert verdict(rows) == {
+        "kv_beats_prefix_on_hit_rate_every_repeat": False,
+        "kv_beats_prefix_on_blocks_pulled_every_repeat": True,
+    }
