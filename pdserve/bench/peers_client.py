@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.bench import peer_venv
+from pdserve.bench import peer_llamacpp, peer_venv
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Context:
     env: dict[str, str]  # pdserve's processes
     peer_env: dict[str, str]  # the side venv's processes
     say: Callable[[str], None]
+    llamacpp: peer_llamacpp.LlamaCppShape | None = None  # how llama-server runs, when it is a setup
 
 
 def random_dataset(input_len: int, output_len: int, range_ratio: float = 0.0) -> list[str]:
@@ -47,18 +48,19 @@ def random_dataset(input_len: int, output_len: int, range_ratio: float = 0.0) ->
     return argv
 
 
-def client_argv(ctx: Context, base_url: str, model_name: str, dataset: Sequence[str],
+def client_argv(ctx: Context, setup: str, base_url: str, model_name: str, dataset: Sequence[str],
                 load: Sequence[str], seed: int, result_dir: str, result_name: str) -> list[str]:  # fmt: skip
-    """``vllm bench serve`` against ``base_url``: ``dataset`` (``random_dataset``) at ``load``
-    (``--num-prompts`` and ``--max-concurrency`` or ``--request-rate``), EOS ignored."""
+    """``vllm bench serve`` against ``setup`` at ``base_url``: ``dataset`` (``random_dataset``) at
+    ``load`` (``--num-prompts`` and ``--max-concurrency`` or ``--request-rate``), EOS ignored."""
     args = ctx.args
+    server_needs = peer_llamacpp.CLIENT_ARGS if setup == "llamacpp" else ()
     return [
         *ctx.venv.bench_argv(),
         "--backend", "openai", "--base-url", base_url, "--model", model_name, "--tokenizer", ctx.hf_dir,
         *dataset, "--ignore-eos", "--seed", str(seed), "--temperature", f"{args.temperature:g}",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_name,
-        "--disable-tqdm", *load, *shlex.split(args.client_args),
+        "--disable-tqdm", *server_needs, *load, *shlex.split(args.client_args),
     ]  # fmt: skip
 
 

@@ -186,7 +186,7 @@ def measure(ctx: Context, scenario: LongScenario, setup: str, servers: list[int]
     runs = {}  # {client: (argv, result path, log path)}
     for kind, (dataset, load) in scenario.clients().items():
         name = f"{tag}-{kind}.json"
-        argv = client_argv(ctx, base_url, model_name, dataset, load, seeds[kind], result_dir, name)
+        argv = client_argv(ctx, setup, base_url, model_name, dataset, load, seeds[kind], result_dir, name)
         runs[kind] = (
             argv,
             os.path.join(result_dir, name),

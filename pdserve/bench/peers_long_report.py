@@ -26,10 +26,11 @@ from pdserve.bench.peers_report import fmt_cell, print_rich_table, print_row_war
 LOAD = "long"  # the rows' load name: one run of both clients per setup and repeat
 STREAM, LONG = "stream", "long"  # the two clients' requests
 RATIOS = {"goodput_vs_vllm": "goodput_req_per_s"}  # {ratio key: row metric}, each setup / vLLM
+LLAMACPP_RATIOS = {"goodput_vs_llamacpp": "goodput_req_per_s"}  # each setup / llama.cpp
 SPREAD_METRICS = (
     "goodput_req_per_s", "slo_fraction", "stream_itl_ms_p50", "stream_itl_ms_p99",
     "stream_max_gap_ms_p50", "stream_max_gap_ms_p90", "long_ttft_ms_p50", "out_tok_per_s",
-    *RATIOS,
+    *RATIOS, *LLAMACPP_RATIOS,
 )  # fmt: skip
 
 
@@ -182,6 +183,7 @@ TABLE_COLUMNS = {  # {title: row key}; times in ms
     "SLO %": "slo_fraction",
     "goodput/s": "goodput_req_per_s",
     "÷ vLLM": "goodput_vs_vllm",
+    "÷ llama.cpp": "goodput_vs_llamacpp",
     "TTFT p50/p90": "stream_ttft",
     "ITL p50": "stream_itl_ms_p50",
     "ITL p99": "stream_itl_ms_p99",
@@ -230,7 +232,8 @@ def print_long_tables(rows: Sequence[dict[str, Any]], spreads: Sequence[dict[str
     print(f"  {LEGEND}")
     print_row_warnings(rows, lambda row: f"{row['setup']} repeat {row['repeat'] + 1}")
     metrics = {"goodput/s": "goodput_req_per_s", "SLO fraction": "slo_fraction",
-               "goodput ÷ vLLM": "goodput_vs_vllm", "ITL p99": "stream_itl_ms_p99",
+               "goodput ÷ vLLM": "goodput_vs_vllm", "goodput ÷ llama.cpp": "goodput_vs_llamacpp",
+               "ITL p99": "stream_itl_ms_p99",
                "max gap p50": "stream_max_gap_ms_p50", "max gap p90": "stream_max_gap_ms_p90",
                "long TTFT p50": "long_ttft_ms_p50", "out tok/s": "out_tok_per_s"}  # fmt: skip
     body = [[e["setup"], *(spread_cell(e, m) for m in metrics.values())] for e in spreads]

@@ -1,6 +1,6 @@
 """What ``pdserve bench peers`` makes of ``vllm bench serve``'s result files: one row per setup,
-load point and repeat, each peer's ratio to vLLM in the same repeat, the spread over repeats, the
-tables and the plot.
+load point and repeat, each setup's ratios to vLLM and to llama.cpp in the same repeat, the spread
+over repeats, the tables and the plot.
 
 Kept apart from the driver (``pdserve.bench.peers``) so the arithmetic is testable on a result
 file without starting a server.
@@ -33,15 +33,18 @@ RESULT_KEYS = {
 }
 ROW_KEYS = ("setup", "repeat", "load", "max_concurrency", "request_rate", "num_prompts",
             *RESULT_KEYS, "error")  # fmt: skip
-# {ratio key: (row metric, "higher" if higher is better for the peer)}; each is peer / vLLM.
+LLAMACPP = "llamacpp"  # the second baseline: llama.cpp's llama-server on the GGUF itself
+# {ratio key: row metric}; each is setup / vLLM (tok/s: above 1 is faster; ITL, TTFT: below 1).
 RATIOS = {
     "tok_s_vs_vllm": "out_tok_per_s",
     "itl_vs_vllm": "itl_ms_p50",
     "ttft_vs_vllm": "ttft_ms_p50",
 }
+# The same against llama.cpp; ITL at one stream is the number pdserve's decode step is judged by.
+LLAMACPP_RATIOS = {key.replace("_vs_vllm", "_vs_llamacpp"): metric for key, metric in RATIOS.items()}
 # A run during which work not ours kept more cores than this busy on average is flagged.
 BUSY_ELSEWHERE_CORES = 0.25
-SPREAD_METRICS = ("ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50", "out_tok_per_s", *RATIOS)
+SPREAD_METRICS = ("ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50", "out_tok_per_s", *RATIOS, *LLAMACPP_RATIOS)
 _COUNTS = ("completed", "failed", "max_concurrent_requests")  # kept as the client's integers
 
 
@@ -123,6 +126,11 @@ def add_ratios(
     return out
 
 
+def add_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its ratios to vLLM (``RATIOS``) and to llama.cpp (``LLAMACPP_RATIOS``)."""
+    return add_ratios(add_ratios(rows), baseline=LLAMACPP, ratios_of=LLAMACPP_RATIOS)
+
+
 def spread(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = SPREAD_METRICS) -> list[dict[str, Any]]:
     """Per setup and load point, over the repeats: the median, min and max of each of ``metrics``
     (None where no repeat has it), in first-seen order."""
@@ -156,6 +164,9 @@ TABLE_COLUMNS = {  # {title: row key}
     "tok/s ÷ vLLM": "tok_s_vs_vllm",
     "ITL ÷ vLLM": "itl_vs_vllm",
     "TTFT ÷ vLLM": "ttft_vs_vllm",
+    "tok/s ÷ llama.cpp": "tok_s_vs_llamacpp",
+    "ITL ÷ llama.cpp": "itl_vs_llamacpp",
+    "TTFT ÷ llama.cpp": "ttft_vs_llamacpp",
     "other cores": "other_cores",  # busy with work not ours during the run (pdserve.bench.foreign_load)
 }
 
@@ -182,16 +193,22 @@ def print_rich_table(
     Console(width=max(min_width, Console().width)).print(table)  # a log file gets every column too
 
 
+def _baselines_run(columns: dict[str, str], has: Callable[[str], bool]) -> dict[str, str]:
+    """``columns`` ({title: key}) without the ratios to a baseline that did not run (``has(key)``
+    false: every cell would be "-")."""
+    return {title: key for title, key in columns.items() if "_vs_" not in key or has(key)}
+
+
 def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> None:
-    """One table per repeat: every setup at every load point, with its ratios to vLLM."""
+    """One table per repeat: every setup at every load point, with its ratios to vLLM and to
+    llama.cpp (those that ran)."""
     repeats = sorted({r["repeat"] for r in rows})
+    columns = _baselines_run(TABLE_COLUMNS, lambda key: any(r.get(key) is not None for r in rows))
     for repeat in repeats:
         body = [
-            [fmt_cell(row.get(key)) for key in TABLE_COLUMNS.values()]
-            for row in rows
-            if row["repeat"] == repeat
+            [fmt_cell(row.get(key)) for key in columns.values()] for row in rows if row["repeat"] == repeat
         ]
-        print_rich_table(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(TABLE_COLUMNS), body)
+        print_rich_table(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(columns), body)
     print_row_warnings(rows, lambda row: f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}")
 
 
@@ -217,7 +234,10 @@ def spread_cell(entry: dict[str, Any], metric: str) -> str:
 def print_spread(spreads: Sequence[dict[str, Any]], num_repeats: int) -> None:
     """Median [min, max] over the repeats of each key metric and ratio."""
     metrics = {"TTFT p50 ms": "ttft_ms_p50", "ITL p50 ms": "itl_ms_p50", "out tok/s": "out_tok_per_s",
-               "tok/s ÷ vLLM": "tok_s_vs_vllm", "ITL ÷ vLLM": "itl_vs_vllm", "TTFT ÷ vLLM": "ttft_vs_vllm"}  # fmt: skip
+               "tok/s ÷ vLLM": "tok_s_vs_vllm", "ITL ÷ vLLM": "itl_vs_vllm", "TTFT ÷ vLLM": "ttft_vs_vllm",
+               "tok/s ÷ llama.cpp": "tok_s_vs_llamacpp", "ITL ÷ llama.cpp": "itl_vs_llamacpp",
+               "TTFT ÷ llama.cpp": "ttft_vs_llamacpp"}  # fmt: skip
+    metrics = _baselines_run(metrics, lambda key: any(e[f"{key}_median"] is not None for e in spreads))
     body = [[e["setup"], e["load"], *(spread_cell(e, m) for m in metrics.values())] for e in spreads]
     title = f"spread over {num_repeats} repeat(s): median [min, max]"
     print_rich_table(title, ["setup", "load", *metrics], body)
