@@ -40,7 +40,7 @@ from typing import cast
 from pdserve import healthcheck
 from pdserve.config import KV_TRANSPORTS
 from pdserve.engine.cpu_resources import allowed_cpus, format_cpu_list, parse_cpu_list
-from pdserve.router.auth import KEYS_ENV, add_key_args, add_tls_args, check_key, load_api_keys
+from pdserve.router.auth import KEYS_ENV, add_key_args, add_tls_args, check_key, front_door_settings
 from pdserve.supervisor import (
     DEFAULT_GRACE_S,
     StartupStopped,
@@ -498,12 +498,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         # Checked here, so a bad key or certificate fails before any engine loads a model.
-        keys = load_api_keys(args.api_key, args.api_key_file)
-        tls = ServerTls.from_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
-        if args.protect_metrics and not keys:
-            raise ValueError(
-                "--protect-metrics needs an API key (--api-key, --api-key-file or $PDSERVE_API_KEYS)"
-            )
+        keys, tls = front_door_settings(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

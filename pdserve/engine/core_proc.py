@@ -44,7 +44,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 class CoreServer:
     """Translates ZMQ messages to EngineCore calls and outputs back to messages."""
 
-    def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
+    def __init__(self, core: EngineCore, input_addr: str, output_addr: str, parent_pid: int) -> None:
         self.core = core
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PULL)
@@ -53,7 +53,9 @@ class CoreServer:
         self.outputs.connect(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
-        self.parent_pid = os.getppid()
+        # Taken when the process started, not after the model loaded: a front that died during
+        # the load has already handed this process to init, whose pid must not pass for it.
+        self.parent_pid = parent_pid
         self.stopping = False
 
     def send(self, message: messages.CoreMessage) -> None:
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     # The KV transfer thread must get the GIL promptly while a step runs Python between its
     # torch ops: a 5 ms default switch interval was up to 5 ms of queueing on every pull.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    parent_pid = os.getppid()  # the front that spawned this core (see CoreServer.receive)
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     try:
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                     config.kv_events.buffer_steps,
                 )
             )
-        server = CoreServer(core, args.input, args.output)
+        server = CoreServer(core, args.input, args.output, parent_pid)
         info = messages.CoreInfo(
             vocab_size=core.vocab_size,
             eos_token_id=core.eos_token_id,

@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from pdserve.tls import ServerTls
+
 KEYS_ENV = "PDSERVE_API_KEYS"  # comma-separated keys the router accepts
 KEYS_FILE_ENV = "PDSERVE_API_KEYS_FILE"  # a file of keys, one a line
 CLIENT_KEY_ENV = "PDSERVE_API_KEY"  # the key pdserve's own clients send when given none
@@ -155,6 +157,19 @@ def add_key_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="put HTTP /health and /metrics (and the --metrics-port) behind the key too; gRPC health stays open",
     )
+
+
+def front_door_settings(args: argparse.Namespace) -> tuple[ApiKeys, ServerTls | None]:
+    """The keys and TLS that ``add_key_args`` / ``add_tls_args`` options ask for, checked (keys,
+    certificate files, ``--protect-metrics`` without a key): ValueError with a one-line reason,
+    before anything is started."""
+    keys = load_api_keys(args.api_key, args.api_key_file)
+    tls = ServerTls.from_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    if args.protect_metrics and not keys:
+        raise ValueError(
+            "--protect-metrics needs an API key (--api-key, --api-key-file or $PDSERVE_API_KEYS)"
+        )
+    return keys, tls
 
 
 def add_tls_args(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from pdserve.router.auth import (
     GrpcKeyInterceptor,
     add_key_args,
     add_tls_args,
-    load_api_keys,
+    front_door_settings,
     wsgi_key_gate,
 )
 from pdserve.router.engines import DEFAULT_DISCOVERY_INTERVAL_S, EnginePool
@@ -224,12 +224,7 @@ def _addresses(value: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        keys = load_api_keys(args.api_key, args.api_key_file)
-        tls = ServerTls.from_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
-        if args.protect_metrics and not keys:
-            raise ValueError(
-                "--protect-metrics needs an API key (--api-key, --api-key-file or $PDSERVE_API_KEYS)"
-            )
+        keys, tls = front_door_settings(args)
         asyncio.run(serve_router(args, keys, tls))
     except ValueError as exc:  # a bad key or TLS file; a malformed --prefill / --decode / --dns-server entry
         print(f"error: {exc}", file=sys.stderr)

@@ -161,6 +161,27 @@ static inline void decode_scalar(int kind, BlockRef ref, float *w) {
 
 static inline int block_bytes(int kind) { return kind == 0 ? Q4_1_BYTES : Q8_0_BYTES; }
 
+/* NAME(kind, ...): FN with kind and rows (1..ROWS_PER_TILE) as constants, so that the compiler
+ * unrolls FN's row loops and keeps its accumulators in registers. */
+#define ROWS_CASE(FN, KIND, ROWS) \
+    case ROWS:                    \
+        FN(KIND, w_row, blocks, x, K, ROWS, dot); \
+        break;
+#define KIND_SWITCH(FN, KIND)                                                          \
+    switch (rows) {                                                                    \
+        ROWS_CASE(FN, KIND, 1) ROWS_CASE(FN, KIND, 2) ROWS_CASE(FN, KIND, 3) ROWS_CASE(FN, KIND, 4) \
+        ROWS_CASE(FN, KIND, 5) ROWS_CASE(FN, KIND, 6) ROWS_CASE(FN, KIND, 7) ROWS_CASE(FN, KIND, 8) \
+    }
+#define DEFINE_ROWS_DISPATCH(NAME, FN, X_TYPE)                                                     \
+    static void NAME(int kind, const uint8_t *w_row, int64_t blocks, const X_TYPE *x, int64_t K, \
+                     int rows, float *dot) {                                                     \
+        if (kind == 0) {                                                                         \
+            KIND_SWITCH(FN, 0)                                                                   \
+        } else {                                                                                 \
+            KIND_SWITCH(FN, 1)                                                                   \
+        }                                                                                        \
+    }
+
 /* One output row n against `rows` (<= ROWS_PER_TILE) rows of x: dot[r] = x[r] . W[n]. Inlined
  * into a switch on constant (kind, rows), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void row_dots(int kind, const uint8_t *w_row, int64_t blocks,
@@ -230,25 +251,7 @@ static inline __attribute__((always_inline)) void row_dots_bf16(int kind, const 
     for (int r = 0; r < rows; r++) dot[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
-#define ROWS_CASE_BF16(KIND, ROWS) \
-    case ROWS:                     \
-        row_dots_bf16(KIND, w_row, blocks, x, K, ROWS, dot); \
-        break;
-
-static void row_dots_bf16_dispatch(int kind, const uint8_t *w_row, int64_t blocks, const uint16_t *x, int64_t K,
-                                   int rows, float *dot) {
-    if (kind == 0) {
-        switch (rows) {
-            ROWS_CASE_BF16(0, 1) ROWS_CASE_BF16(0, 2) ROWS_CASE_BF16(0, 3) ROWS_CASE_BF16(0, 4)
-            ROWS_CASE_BF16(0, 5) ROWS_CASE_BF16(0, 6) ROWS_CASE_BF16(0, 7) ROWS_CASE_BF16(0, 8)
-        }
-    } else {
-        switch (rows) {
-            ROWS_CASE_BF16(1, 1) ROWS_CASE_BF16(1, 2) ROWS_CASE_BF16(1, 3) ROWS_CASE_BF16(1, 4)
-            ROWS_CASE_BF16(1, 5) ROWS_CASE_BF16(1, 6) ROWS_CASE_BF16(1, 7) ROWS_CASE_BF16(1, 8)
-        }
-    }
-}
+DEFINE_ROWS_DISPATCH(row_dots_bf16_dispatch, row_dots_bf16, uint16_t)
 #endif
 
 #if defined(__AVX512BF16__)
@@ -337,26 +340,7 @@ static void lut_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
 }
 #endif
 
-#define ROWS_CASE(KIND, ROWS) \
-    case ROWS:                \
-        row_dots(KIND, w_row, blocks, x, K, ROWS, dot); \
-        break;
-
-/* row_dots with kind and rows as constants (the compiler unrolls the row loops). */
-static void row_dots_dispatch(int kind, const uint8_t *w_row, int64_t blocks, const float *x, int64_t K,
-                              int rows, float *dot) {
-    if (kind == 0) {
-        switch (rows) {
-            ROWS_CASE(0, 1) ROWS_CASE(0, 2) ROWS_CASE(0, 3) ROWS_CASE(0, 4)
-            ROWS_CASE(0, 5) ROWS_CASE(0, 6) ROWS_CASE(0, 7) ROWS_CASE(0, 8)
-        }
-    } else {
-        switch (rows) {
-            ROWS_CASE(1, 1) ROWS_CASE(1, 2) ROWS_CASE(1, 3) ROWS_CASE(1, 4)
-            ROWS_CASE(1, 5) ROWS_CASE(1, 6) ROWS_CASE(1, 7) ROWS_CASE(1, 8)
-        }
-    }
-}
+DEFINE_ROWS_DISPATCH(row_dots_dispatch, row_dots, float)
 
 /*
  * y[M, N] = x[M, K] @ W^T. kind 0: Q4_1 blocks, 1: Q8_0 blocks; W is [N, K / 32] blocks, row-major.
