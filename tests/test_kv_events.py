@@ -12,7 +12,6 @@ import zmq
 
 from pdserve.engine.kv_cache import KVCacheManager, hash_request_blocks
 from pdserve.engine.kv_events import (
-    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,10 +19,10 @@ from pdserve.engine.kv_events import (
     KVEventPublisher,
     decode_batch,
     encode_batch,
-    seq_bytes,
 )
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.supervisor import pick_free_ports
+from tests.kv_event_helpers import replay_batches
 
 BLOCK = 4
 
@@ -126,15 +125,10 @@ def test_publisher_numbers_batches_and_replays_from_a_sequence_number():
         replay.connect(f"tcp://127.0.0.1:{port + 1}")
 
         def ask(start: int) -> list[int]:
-            replay.send_multipart((b"", seq_bytes(start)))
-            seqs = []
-            while True:
-                assert replay.poll(5000), "no replay answer"
-                _, _, seq, payload = replay.recv_multipart()
-                if seq == END_SEQ:
-                    return seqs
-                seqs.append(int.from_bytes(seq, "big"))
-                assert decode_batch(payload).events == [BlockRemoved([seqs[-1]])]
+            batches = replay_batches(replay, start)
+            for seq, batch in batches:
+                assert batch.events == [BlockRemoved([seq])]
+            return [seq for seq, _ in batches]
 
         assert ask(3) == [3, 4]
         assert not publisher.snapshot_wanted.is_set()

@@ -24,15 +24,13 @@ from pdserve.client import Client
 from pdserve.cluster import LocalCluster
 from pdserve.engine.kv_cache import hash_request_blocks
 from pdserve.engine.kv_events import (
-    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    decode_batch,
-    seq_bytes,
 )
 from pdserve.supervisor import wait_healthy
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from tests.kv_event_helpers import replay_batches
 
 pytestmark = pytest.mark.slow
 
@@ -99,14 +97,7 @@ def _engine_stream(address: str) -> list:
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(f"tcp://{host}:{info.kv_events_replay_port}")
-        sock.send_multipart((b"", seq_bytes(0)))
-        events = []
-        while True:
-            assert sock.poll(5000), "no replay answer"
-            _, _, seq, payload = sock.recv_multipart()
-            if seq == END_SEQ:
-                return events
-            events += decode_batch(payload).events
+        return [event for _, batch in replay_batches(sock, 0) for event in batch.events]
     finally:
         sock.close(linger=0)
         ctx.term()
