@@ -147,8 +147,8 @@ def test_without_a_compiler_the_modules_fall_back_to_the_torch_reference(monkeyp
     kind, blocks = to_kernel_blocks(GGML.Q4_1, gguf_tensor(GGML.Q4_1, rng), OUT_FEATURES, IN_FEATURES)
     x = torch.randn(3, IN_FEATURES)
     with_kernel = QuantLinear(kind, blocks, IN_FEATURES)(x)
-    table = QuantEmbedding(BlockKind.Q8_0, quantize_q8_0(torch.randn(20, 64)), 64, torch.float32)
-    looked_up = table(torch.tensor([4, 19]))
+    table_blocks = quantize_q8_0(torch.randn(20, 64))
+    looked_up = QuantEmbedding(BlockKind.Q8_0, table_blocks, 64, torch.float32)(torch.tensor([4, 19]))
 
     monkeypatch.setattr(cpu_quant, "_library", None)
     monkeypatch.setattr(cpu_quant, "_load_error", "no C compiler (cc, gcc or clang) on PATH")
@@ -156,7 +156,9 @@ def test_without_a_compiler_the_modules_fall_back_to_the_torch_reference(monkeyp
     fallback = QuantLinear(kind, blocks, IN_FEATURES)
     assert not fallback.use_kernel
     torch.testing.assert_close(fallback(x), with_kernel, rtol=1e-5, atol=1e-5)
-    assert torch.equal(table(torch.tensor([4, 19])), looked_up)
+    fallback_table = QuantEmbedding(BlockKind.Q8_0, table_blocks, 64, torch.float32)
+    assert not fallback_table.use_kernel
+    assert torch.equal(fallback_table(torch.tensor([4, 19])), looked_up)
 
     # A cache path that cannot be made (a file in the way: as unwritable to root as to anyone).
     blocker = tmp_path / "not-a-directory"

@@ -108,6 +108,7 @@ def library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(_build(compiler)))
             except (RuntimeError, OSError) as exc:
                 _load_error = str(exc)
+                logger.warning("quantized-weight kernels unavailable (%s); the torch reference runs", exc)
             else:
                 i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
                 lib.pd_quant_matmul.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
@@ -121,11 +122,10 @@ def library() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """True when the C kernels build and load here (logged once when they do not)."""
+    """True when the C kernels build and load here (``library`` logs, once, why they do not)."""
     try:
         library()
-    except RuntimeError as exc:
-        logger.warning("%s; quantized weights use the torch reference", exc)
+    except RuntimeError:
         return False
     return True
 

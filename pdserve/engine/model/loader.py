@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import ModelConfig
+from pdserve.config import QUANTIZATION_CHOICES, ModelConfig
 from pdserve.engine.cpu_resources import resolve_dtype
 from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
@@ -19,7 +19,6 @@ from pdserve.engine.model.gguf_loader import load_gguf, load_gguf_blocks, open_g
 from pdserve.engine.model.hf_loader import load_hf_dir
 from pdserve.engine.model.llama import LlamaForCausalLM, build_model, build_quantized_model
 from pdserve.engine.model.quant_linear import (
-    QUANTIZATION_MODES,
     describe_weights,
     install_blocks,
     quantize_int8,
@@ -58,7 +57,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: str
     dtype: torch.dtype = torch.float32  # of the activations, the dense weights and the KV cache
-    quantization: str = "none"  # QUANTIZATION_MODES
+    quantization: str = "none"  # QUANTIZATION_CHOICES
 
     @property
     def weights(self) -> str:
@@ -93,8 +92,8 @@ def load_model(
     Q8_0 / Q4_0 / Q4_1 / Q4_K tensors as blocks; ``int8`` makes Q8_0 blocks (int8, one scale
     per 32 weights) of every projection and the embedding, from any checkpoint.
     """
-    if quantization not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
     torch_dtype = parse_dtype(dtype)
     path = _resolve(path)
     if quantization == "gguf" and not path.endswith(".gguf"):

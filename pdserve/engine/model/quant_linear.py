@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.config import QUANTIZATION_CHOICES
 from pdserve.engine.model.gguf_blocks import quantize_q8_0
 from pdserve.kernels import cpu_quant
 from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind
@@ -31,15 +30,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = QUANTIZATION_CHOICES
 # Rows up to which the kernel beats decode-then-GEMM (measured with ``pdserve bench step``).
 KERNEL_MAX_ROWS = 16
 
 
-def _decode(kind: BlockKind, blocks: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    if cpu_quant.available():
-        return cpu_quant.quant_dequantize(kind, blocks, in_features, dtype)
-    return cpu_quant.dequantize_ref(kind, blocks, in_features).to(dtype)
+def _decode(
+    kind: BlockKind,
+    blocks: torch.Tensor,
+    in_features: int,
+    dtype: torch.dtype,
+    use_kernel: bool,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``W[rows]`` (every row when None) in ``dtype``: the C decoder, or the torch reference."""
+    if use_kernel:
+        return cpu_quant.quant_dequantize(kind, blocks, in_features, dtype, rows=rows)
+    held = blocks if rows is None else blocks[rows]
+    return cpu_quant.dequantize_ref(kind, held, in_features).to(dtype)
 
 
 class QuantLinear(nn.Module):
@@ -67,12 +74,9 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = F.linear(rows, _decode(self.kind, self.blocks, self.in_features, x.dtype), self.bias)
+            weight = _decode(self.kind, self.blocks, self.in_features, x.dtype, self.use_kernel)
+            out = F.linear(rows, weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
-
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight ``[out, in]`` decoded (for tests and for the quality tools)."""
-        return _decode(self.kind, self.blocks, self.in_features, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks"
@@ -90,15 +94,11 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings = blocks.shape[0]
         self.dtype = dtype
         self.register_buffer("blocks", blocks.contiguous())
+        self.use_kernel = cpu_quant.available()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        if cpu_quant.available():
-            rows = cpu_quant.quant_dequantize(
-                self.kind, self.blocks, self.embedding_dim, self.dtype, rows=ids
-            )
-        else:
-            rows = cpu_quant.dequantize_ref(self.kind, self.blocks[ids], self.embedding_dim).to(self.dtype)
+        rows = _decode(self.kind, self.blocks, self.embedding_dim, self.dtype, self.use_kernel, rows=ids)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def as_linear(self) -> QuantLinear:
