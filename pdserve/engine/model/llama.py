@@ -283,41 +283,31 @@ def model_to_hf_state_dict(
 
 
 def build_model(
-    config: ModelArchConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+    config: ModelArchConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
+    blocks: dict[str, tuple[BlockKind, torch.Tensor]] | None = None,
 ) -> LlamaForCausalLM:
     """A ready-to-serve model from its state dict: eval mode, no grads, weights not copied.
 
     Built on the meta device and filled with ``assign=True``: random-initialising 135M
-    parameters only to overwrite them costs about a second.
+    parameters only to overwrite them costs about a second. ``blocks`` (``--quantization``)
+    holds the weights kept as GGUF blocks, by parameter name: their modules are replaced by the
+    quantized versions (``quant_linear.install_blocks``) and never get dense memory; the state
+    dict then holds the rest (norms, biases, types without a kernel).
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.load_state_dict(state_dict, strict=not blocks, assign=True)
+    if blocks:
+        assert dtype is not None, "a block-held embedding decodes to the model's dtype"
+        install_blocks(model, blocks, dtype)
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        still_meta = [name for name, tensor in tensors if tensor.is_meta]
+        if still_meta:
+            raise KeyError(f"weights missing from the checkpoint: {still_meta[:5]}")
     if dtype is not None:
         model.to(dtype)
-    model.eval()
-    model.requires_grad_(False)
-    use_kn_weight_layout(model)
-    return model
-
-
-def build_quantized_model(
-    config: ModelArchConfig,
-    dense_state: dict[str, torch.Tensor],
-    blocks: dict[str, tuple[BlockKind, torch.Tensor]],
-    dtype: torch.dtype,
-) -> LlamaForCausalLM:
-    """``build_model`` for weights partly held as GGUF blocks (``--quantization``): the dense
-    tensors (norms, biases, types without a kernel) are assigned, then the block-held modules
-    replace their dense versions, which never get memory."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(dense_state, strict=False, assign=True)
-    install_blocks(model, blocks, dtype)
-    still_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if still_meta:
-        raise KeyError(f"weights missing from the checkpoint: {still_meta[:5]}")
-    model.to(dtype)
     model.eval()
     model.requires_grad_(False)
     use_kn_weight_layout(model)

@@ -17,10 +17,9 @@ from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_loader import load_gguf, load_gguf_blocks, open_gguf
 from pdserve.engine.model.hf_loader import load_hf_dir
-from pdserve.engine.model.llama import LlamaForCausalLM, build_model, build_quantized_model
+from pdserve.engine.model.llama import LlamaForCausalLM, build_model
 from pdserve.engine.model.quant_linear import (
     describe_weights,
-    install_blocks,
     quantize_int8,
     weight_bytes,
 )
@@ -105,7 +104,7 @@ def load_model(
         logger.info("  parsed GGUF header (%.1fs)", time.perf_counter() - start)
         if quantization == "gguf":
             arch, dense, blocks = load_gguf_blocks(path, torch_dtype, reader=reader)
-            model = build_quantized_model(arch, dense, blocks, torch_dtype)
+            model = build_model(arch, dense, torch_dtype, blocks=blocks)
             logger.info("  kept %d tensors as blocks (%.1fs)", len(blocks), time.perf_counter() - start)
         else:
             # int8 quantizes from fp32, so that only its own rounding is added.
@@ -117,11 +116,11 @@ def load_model(
         arch, state = load_hf_dir(path, torch.float32 if quantization == "int8" else torch_dtype)
         logger.info("  read %d tensors (%.1fs)", len(state), time.perf_counter() - start)
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    if quantization != "gguf":
-        model = build_model(arch, state, dtype=None if quantization == "int8" else torch_dtype)
-        if quantization == "int8":
-            install_blocks(model, quantize_int8(model), torch_dtype)
-            model.to(torch_dtype)
+    if quantization == "int8":
+        dense, blocks = quantize_int8(state)
+        model = build_model(arch, dense, torch_dtype, blocks=blocks)
+    elif quantization == "none":
+        model = build_model(arch, state, dtype=torch_dtype)
     # The model's own ids win: the tokenizer files may not say which token ends a turn.
     if arch.eos_token_id is not None:
         tokenizer.eos_token_id = arch.eos_token_id

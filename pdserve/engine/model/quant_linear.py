@@ -133,14 +133,18 @@ def install_blocks(
         model.quant_lm_head = embed.as_linear()
 
 
-def quantize_int8(model: LlamaForCausalLM) -> dict[str, tuple[BlockKind, torch.Tensor]]:
-    """Q8_0 blocks (symmetric int8, one fp16 scale per 32 weights) of every projection, the
-    embedding and an untied LM head, from the model's current weights."""
-    return {
-        f"{name}.weight": (BlockKind.Q8_0, quantize_q8_0(module.weight))
-        for name, module in model.named_modules()
-        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[1] % BLOCK_SIZE == 0
+def quantize_int8(
+    state_dict: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[BlockKind, torch.Tensor]]]:
+    """``(dense, blocks)``: Q8_0 blocks (symmetric int8, one fp16 scale per 32 weights) of every
+    matrix of a model state dict (the projections, the embedding, an untied LM head: norms
+    and biases are vectors), the rest as it is; for ``build_model(..., blocks=)``."""
+    blocks = {
+        name: (BlockKind.Q8_0, quantize_q8_0(tensor))
+        for name, tensor in state_dict.items()
+        if tensor.dim() == 2 and tensor.shape[1] % BLOCK_SIZE == 0
     }
+    return {name: t for name, t in state_dict.items() if name not in blocks}, blocks
 
 
 def describe_weights(model: nn.Module) -> str:
