@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -423,6 +424,42 @@ def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, tiny_ll
         assert [s["healthy"] for s in decode_stats] == [False]
         with pytest.raises(ClusterError, match="decode-0 .* was killed by SIGKILL"):
             cluster.check()
+
+
+def test_decode_engine_killed_mid_stream_is_resumed_on_the_other_with_the_same_tokens(
+    tiny_model_dir, tiny_llm
+):
+    """kill -9 of the decode engine streaming an answer: the router resumes the rest on the
+    other decode engine (which computes prompt + streamed tokens itself), so the client's stream
+    goes on and ends with exactly the colocated greedy tokens."""
+    prompt = _fresh_prompt(tiny_llm.tokenizer)
+    max_tokens = 600
+    want = tiny_llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+    with (
+        LocalCluster(1, 2, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS) as cluster,
+        Client(cluster.router_address) as client,
+    ):
+        stream = client.stream(
+            prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, timeout=CALL_TIMEOUT_S
+        )
+        streamed = [t for _ in range(3) for t in next_within(stream, 30.0).token_ids]  # decode is generating
+        (serving,) = [s["address"] for s in client.stats() if s["role"] == "decode" and s["num_running"] == 1]
+        victim = cluster.procs[f"decode-{cluster.decode_addresses.index(serving)}"]
+        victim.popen.kill()
+        victim.popen.wait()
+
+        deltas = list(stream)
+        tokens = streamed + [t for d in deltas for t in d.token_ids]
+        assert tokens == want
+        assert deltas[-1].finish_reason == "length"
+        (survivor,) = set(cluster.decode_addresses) - {serving}
+        assert deltas[-1].metrics["decode_engine"] == survivor
+        router_metrics = cluster.procs["router"].metrics_address
+        metrics = urllib.request.urlopen(f"http://{router_metrics}/metrics", timeout=10).read()
+        assert b"pdserve_router_decode_resumed_total 1.0" in metrics
+        _assert_all_idle(client, roles=("prefill",))
+        (survivor_stats,) = [s for s in client.stats() if s["address"] == survivor]
+        assert is_idle(survivor_stats), survivor_stats
 
 
 class _ShuttingDownDecodeEngine(engine_pb2_grpc.EngineServicer):

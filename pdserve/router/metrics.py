@@ -24,6 +24,11 @@ class RouterMetrics:
         self.rejected = Counter(
             "pdserve_router_rejected", "Requests refused", ["code"], registry=self.registry
         )
+        self.resumed = Counter(
+            "pdserve_router_decode_resumed",
+            "Requests whose decode moved to another engine after its engine went away mid-stream",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Time to first token",

@@ -38,14 +38,21 @@ logger = logging.getLogger(__name__)
 MAX_PROMPT_BYTES = 1 << 20
 ENGINE_RPC_TIMEOUT_S = 600.0
 CHAT_ROLES = ("system", "user", "assistant")
+# How many times one request's decode may move to another engine after its engine went away.
+MAX_DECODE_RESUMES = 2
 
 
 class RouterError(Exception):
-    """Ends a request with a status code (raised inside the request path)."""
+    """Ends a request with a status code (raised inside the request path).
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    ``resumable``: the engine went away (or lost the request's KV) with the request unfinished,
+    so another engine of the same role can go on with it.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, resumable: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.resumable = resumable
 
 
 @dataclass
@@ -255,13 +262,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
 
         if direct:
-            stage = self._stream_stage(
-                live, "decode", tokens, sampling, priority, None, block_hashes, timeout
-            )
             async with contextlib.aclosing(
-                self._relay(live, stage, text, timings, first_stage=True)
-            ) as relay:
-                async for response, _ in relay:
+                self._decode(live, tokens, [], sampling, priority, None, block_hashes, timeout, text, timings)
+            ) as decoded:
+                async for response in decoded:
                     yield response
             return
 
@@ -290,13 +294,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             logger.warning("%s: %s; falling back to decode alone", live.request_id, exc)
             fallback = True
         if fallback:
-            stage = self._stream_stage(
-                live, "decode", tokens, sampling, priority, None, block_hashes, timeout
-            )
             async with contextlib.aclosing(
-                self._relay(live, stage, text, timings, first_stage=True)
-            ) as relay:
-                async for response, _ in relay:
+                self._decode(live, tokens, [], sampling, priority, None, block_hashes, timeout, text, timings)
+            ) as decoded:
+                async for response in decoded:
                     yield response
             return
         if first is None or first.finish_reason != "length":
@@ -307,27 +308,88 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         live.timeline["router.prefill_answer"] = time.time()
 
         # Decode: pulls the blocks, continues after the first token.
-        decode_sampling = dataclasses.replace(
-            sampling,
-            max_tokens=sampling.max_tokens - 1,
-            min_tokens=max(0, sampling.min_tokens - 1),
-            num_prior_output_tokens=len(first.token_ids),
-        )
-        stage = self._stream_stage(
-            live,
-            "decode",
-            tokens + list(first.token_ids),
-            decode_sampling,
-            priority,
-            first.kv_transfer_params,
-            block_hashes,
-            max(1.0, timeout - (prefill_done - live.arrival)),
-        )
         async with contextlib.aclosing(
-            self._relay(live, stage, text, timings, first_stage=False, prefill_done=prefill_done)
-        ) as relay:
-            async for response, _ in relay:
+            self._decode(
+                live,
+                tokens,
+                list(first.token_ids),
+                sampling,
+                priority,
+                first.kv_transfer_params,
+                block_hashes,
+                timeout,
+                text,
+                timings,
+                prefill_done=prefill_done,
+            )
+        ) as decoded:
+            async for response in decoded:
                 yield response
+
+    async def _decode(
+        self,
+        live: LiveRequest,
+        prompt: list[int],
+        output: list[int],
+        sampling: SamplingParams,
+        priority: int,
+        kv: common_pb2.KVTransferParams | None,
+        block_hashes: list,
+        timeout: float,
+        text: TextStream,
+        timings: dict,
+        prefill_done: float | None = None,
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """The decode stage, after ``output`` (the tokens already streamed: the prefill's first
+        one, or none); ``sampling`` counts from the start of the output.
+
+        If the decode engine dies, or loses the request's KV, after streaming part of the answer,
+        the rest is resumed on another healthy decode engine: it computes the prompt and every
+        token streamed so far itself (the prefill engine released its blocks once they were
+        pulled), and its sampler counts those tokens as its own output (``min_tokens``, penalties,
+        ``max_tokens``), so the client's stream goes on where it stopped. Greedy requests get the
+        tokens they would have got. With no other decode engine the request fails UNAVAILABLE,
+        which clients retry.
+        """
+        resumes = 0
+        while True:
+            done = len(output)
+            stage_sampling = dataclasses.replace(
+                sampling,
+                max_tokens=sampling.max_tokens - done,
+                min_tokens=max(0, sampling.min_tokens - done),
+                num_prior_output_tokens=done,
+            )
+            stage = self._stream_stage(
+                live,
+                "decode",
+                prompt + output,
+                stage_sampling,
+                priority,
+                kv,
+                block_hashes,
+                max(1.0, timeout - (time.perf_counter() - live.arrival)),
+            )
+            try:
+                async with contextlib.aclosing(
+                    self._relay(live, stage, text, timings, first_stage=not output, prefill_done=prefill_done)
+                ) as relay:
+                    async for response, _ in relay:
+                        output.extend(response.token_ids)
+                        yield response
+                return
+            except RouterError as exc:
+                if not exc.resumable or resumes >= MAX_DECODE_RESUMES or live.aborted:
+                    raise
+                resumes += 1
+                kv = None  # nothing left to pull: the next engine computes it all
+                self.metrics.resumed.inc()
+                logger.warning(
+                    "%s: %s; resuming after %d output tokens on another decode engine",
+                    live.request_id,
+                    exc,
+                    len(output),
+                )
 
     async def _stream_stage(
         self,
@@ -409,10 +471,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             engine.address,
                         )
                         continue
+                resumable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
                 if code == grpc.StatusCode.ABORTED:
                     # The engine is fine but this request's remote KV was lost: retriable by the client.
                     code = grpc.StatusCode.UNAVAILABLE
-                raise RouterError(code, f"{role} engine {engine.address}: {exc.details()}") from None
+                raise RouterError(
+                    code, f"{role} engine {engine.address}: {exc.details()}", resumable=resumable
+                ) from None
             finally:
                 engine.in_flight -= 1
                 self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
