@@ -59,7 +59,7 @@ def image() -> Image:
 
 
 @pytest.fixture(scope="module")
-def cluster(image: Image) -> Iterator[ComposeCluster]:
+def cluster(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeCluster]:
     """The compose cluster up and healthy: router, 2 prefill and 2 decode engines, in containers."""
     grpc_port, http_port, metrics_port = pick_free_ports(LOOPBACK, 3)
     api_key = f"sk-{secrets.token_hex(16)}"
@@ -87,6 +87,8 @@ def cluster(image: Image) -> Iterator[ComposeCluster]:
             log.info("compose cluster healthy %.0f s after `up`", cluster.startup_s)
             yield cluster
         finally:
-            logs = cluster.compose("logs", "--no-color", "--tail", "40", check=False)
-            log.info("last lines of every service:\n%s", logs.stdout[-20000:])
+            logs = cluster.compose("logs", "--no-color", "--timestamps", check=False)
+            log_file = tmp_path_factory.mktemp("compose") / "services.log"
+            log_file.write_text(logs.stdout + logs.stderr)
+            log.info("every service's log: %s", log_file)
             cluster.compose("down", "--volumes", "--remove-orphans", check=False)

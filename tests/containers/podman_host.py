@@ -88,8 +88,12 @@ def ensure_ulimits() -> None:
     if os.geteuid() != 0:
         return  # rootless podman reads ~/.config/containers; nothing to fix there
     CONTAINERS_CONF.parent.mkdir(parents=True, exist_ok=True)
-    with CONTAINERS_CONF.open("a") as conf:
-        conf.write(ULIMITS)
+    text = CONTAINERS_CONF.read_text() if CONTAINERS_CONF.exists() else ""
+    if "[containers]" in text:  # one [containers] table: the setting goes into it
+        text = text.replace("[containers]", ULIMITS.rstrip("\n"), 1)
+    else:
+        text += ("\n" if text else "") + ULIMITS
+    CONTAINERS_CONF.write_text(text)
     log.info("%s: default ulimits set (runc refuses to raise the host's here)", CONTAINERS_CONF)
 
 
