@@ -13,7 +13,7 @@ from typing import Any
 
 from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventPublisher
 from pdserve.router.engines import EngineHandle
-from pdserve.router.kv_index import KVBlockIndex
+from pdserve.router.kv_index import KVBlockIndex, PendingBlocks
 from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.router.policies import RoutingPolicy
 from pdserve.supervisor import pick_free_ports
@@ -137,3 +137,63 @@ def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
         "kv_beats_prefix_on_hit_rate_every_repeat": False,
         "kv_beats_prefix_on_blocks_pulled_every_repeat": True,
     }
+
+
+def test_pending_blocks_leave_when_stored_dropped_or_expired():
+    now = [100.0]
+    pending = PendingBlocks(ttl=10.0, clock=lambda: now[0])
+    pending.add("a", [1, 2, 3])
+    assert all(pending.holds("a", h) for h in (1, 2, 3)) and not pending.holds("b", 1)
+    pending.stored("a", [1, 2])  # its BlockStored arrived: the index holds them now
+    assert not pending.holds("a", 1) and pending.holds("a", 3)
+    now[0] += 10.0
+    assert not pending.holds("a", 3) and "a" not in pending.expiry_of  # expired: its request never stored it
+    pending.add("a", [4])
+    pending.clear("a")  # the engine went down or restarted
+    assert pending.num_blocks("a") == 0
+    pending.add("b", [5])
+    now[0] += 20.0
+    pending.add("c", [6])  # entries no lookup reaches are purged too
+    assert "b" not in pending.expiry_of
+
+
+def test_routed_prompt_counts_as_held_until_its_blocks_are_stored_then_the_index_decides():
+    port, replay_port = pick_free_ports("127.0.0.1", 2)
+    publisher = KVEventPublisher("127.0.0.1", port, replay_port)
+
+    async def scenario() -> None:
+        tracker = KVEventTracker()
+        publisher.publish(EventBatch(0.0, [AllBlocksCleared(), _stored(1)]))
+        tracker.engine_up(ENGINE, "instance-1", port, replay_port)
+        await _until(lambda: tracker.in_sync(ENGINE))
+        tracker.routed(ENGINE, [1, 2, 3])  # 1 is held already: only 2 and 3 are pending
+        assert tracker.pending.expiry_of[ENGINE].keys() == {2, 3}
+        assert tracker.matched_blocks(ENGINE, [1, 2, 3, 4]) == 3
+        publisher.publish(EventBatch(0.0, [_stored(2, 3)]))  # the engine scheduled it
+        await _until(lambda: tracker.pending.num_blocks(ENGINE) == 0)
+        publisher.publish(EventBatch(0.0, [BlockRemoved([2])]))  # evicted afterwards: exact again
+        await _until(lambda: tracker.matched_blocks(ENGINE, [1, 2, 3]) == 1)
+        tracker.routed(ENGINE, [7])
+        tracker.engine_up(ENGINE, "instance-2", 0, 0)  # restarted: nothing of it is pending either
+        assert tracker.matched_blocks(ENGINE, [7]) == 0
+        tracker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.close()
+
+
+def test_kv_policy_sends_a_second_same_prefix_request_where_the_first_went_before_any_event():
+    tracker = _InSync()
+    p0, p1 = _engine("prefill", "p0"), _engine("prefill", "p1")
+    policy = RoutingPolicy("kv", tracker, load_weight=4.0)
+    prompt = list(range(1, 9))  # 8 blocks nobody holds
+    first = policy.pick([p0, p1], prompt)
+    assert policy.expected_blocks(first, prompt) == 0
+    policy.routed(first, prompt)
+    first.in_flight += 1
+    second = policy.pick([p0, p1], prompt)  # 8 - 4 x 1 > 0 - 0
+    assert second is first and policy.expected_blocks(second, prompt) == 8
+    RoutingPolicy("prefix", tracker).routed(p1, [42])
+    assert tracker.pending.num_blocks("p1") == 0  # only kv counts what it routed

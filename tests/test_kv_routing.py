@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -133,6 +134,21 @@ def test_router_expects_exactly_the_prefix_hits_engines_report_in_a_steady_workl
         if i >= 3:  # its tenant's system prompt was seen: prefill hits it
             assert m["prefill_hit_blocks"] >= 5, m
     assert not misses, f"router expectation != engine hit (request, role, expected, hit): {misses}"
+
+
+def test_concurrent_requests_of_a_new_prefix_go_to_the_decode_engine_the_first_went_to(cluster, client):
+    """The second request's decode is routed while the first's blocks are, at best, being
+    pulled: no engine's BlockStored says it holds them yet, but the router counts them as
+    pending on the first one's engine (6 blocks - 4 x 1 in flight > 0 elsewhere)."""
+    prefix = _tokens(11, 100)
+    prompts = [prefix + _tokens(200 + i, 20) for i in range(2)]
+
+    def generate(prompt: list[int]) -> dict:
+        return client.generate(prompt_token_ids=prompt, max_tokens=3, ignore_eos=True, timeout=60).metrics
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first, second = pool.map(generate, prompts)
+    assert first["decode_engine"] == second["decode_engine"], (first, second)
 
 
 def test_a_pub_message_lost_on_purpose_is_replayed_and_the_index_stays_exact(cluster, client):

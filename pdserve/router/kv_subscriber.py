@@ -39,7 +39,7 @@ from pdserve.engine.kv_events import (
     decode_batch,
     seq_bytes,
 )
-from pdserve.router.kv_index import KVBlockIndex
+from pdserve.router.kv_index import KVBlockIndex, PendingBlocks
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
@@ -70,11 +70,13 @@ class EngineEventStream:
         replay_port: int,
         index: KVBlockIndex,
         metrics: RouterMetrics | None = None,
+        pending: PendingBlocks | None = None,
     ) -> None:
         self.engine = engine
         self.pub_address = f"tcp://{host}:{port}"
         self.replay_address = f"tcp://{host}:{replay_port}"
         self.index = index
+        self.pending = pending  # blocks routed to the engine: each leaves with its BlockStored
         self.metrics = metrics
         self.expected = 0  # the next sequence number to apply
         self.in_sync = False
@@ -100,6 +102,8 @@ class EngineEventStream:
             self._task = None
         self.in_sync = False
         self.index.clear(self.engine)
+        if self.pending is not None:
+            self.pending.clear(self.engine)
         self._set_gauges()
 
     # ------------------------------------------------------------------ the loop
@@ -201,6 +205,8 @@ class EngineEventStream:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self.index.store(self.engine, event.block_hashes)
+                if self.pending is not None:
+                    self.pending.stored(self.engine, event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 self.index.remove(self.engine, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -233,6 +239,7 @@ class KVEventTracker:
 
     def __init__(self, metrics: RouterMetrics | None = None) -> None:
         self.index = KVBlockIndex()
+        self.pending = PendingBlocks()
         self.metrics = metrics
         self.streams: dict[str, EngineEventStream] = {}  # {engine address: its stream}
         self.instances: dict[str, str] = {}  # {engine address: instance id its stream follows}
@@ -250,7 +257,9 @@ class KVEventTracker:
         if not port:
             self.streams.pop(address, None)
             return
-        stream = EngineEventStream(address, zmq_host(address), port, replay_port, self.index, self.metrics)
+        stream = EngineEventStream(
+            address, zmq_host(address), port, replay_port, self.index, self.metrics, self.pending
+        )
         self.streams[address] = stream
         self.instances[address] = instance_id
         stream.start()
@@ -266,8 +275,24 @@ class KVEventTracker:
         stream = self.streams.get(address)
         return stream is not None and stream.in_sync
 
+    def routed(self, address: str, block_hashes: list[int]) -> None:
+        """A prompt of these blocks was just sent to the engine: count the ones it does not
+        hold yet as pending there, until its BlockStored for them arrives."""
+        held = self.index.hashes_of.get(address, ())
+        self.pending.add(address, [h for h in block_hashes if h not in held])
+
     def matched_blocks(self, address: str, block_hashes: list[int]) -> int:
-        return self.index.matched_blocks(address, block_hashes)
+        """Leading blocks of a prompt the engine holds, or will hold once the prompts routed
+        to it are stored (``PendingBlocks``): what its prefix cache should hit."""
+        if not self.pending.num_blocks(address):
+            return self.index.matched_blocks(address, block_hashes)
+        held = self.index.hashes_of.get(address, ())
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in held and not self.pending.holds(address, block_hash):
+                break
+            count += 1
+        return count
 
     def close(self) -> None:
         for address in list(self.streams):

@@ -10,9 +10,13 @@ engines publish (``kv_subscriber``). For a prompt of block hashes ``h`` and an e
 
     score(e) = matched(e, h) - load_weight * in_flight(e)
 
-where ``matched`` is how many leading blocks of ``h`` the index says ``e`` holds: for a
-prefill engine the blocks it need not compute, for a decode engine the blocks it need not pull
-from prefill. ``in_flight`` is the router's count of requests running on ``e``, and
+where ``matched`` is how many leading blocks of ``h`` ``e`` holds, or will hold: in the index
+(its events say it has them), or pending (a prompt with them was just routed to ``e`` and its
+``BlockStored`` has not arrived yet; ``PendingBlocks``). For a prefill engine these are the
+blocks it need not compute, for a decode engine the blocks it need not pull from prefill.
+Counting pending blocks sends concurrent requests of one new prefix to the engine already
+computing it, instead of by load to another that would compute (and cache) it again.
+``in_flight`` is the router's count of requests running on ``e``, and
 ``load_weight`` (``--kv-load-weight``, default 4) is how many cached blocks one more request
 in flight is worth. The highest score wins; ties go to the less loaded engine, then in turn.
 Until every candidate's index is in sync (events off, an engine just started or resyncing),
@@ -84,6 +88,12 @@ class RoutingPolicy:
                 ),
             )
         return max(engines, key=lambda e: (e.cached_prefix_blocks(block_hashes), -e.in_flight))
+
+    def routed(self, engine: EngineHandle, block_hashes: list) -> None:
+        """A prompt was just sent to ``engine``: under ``kv``, its blocks count as held there
+        from now on (pending until the engine's BlockStored for them arrives)."""
+        if self.name == "kv" and self.kv_events is not None:
+            self.kv_events.routed(engine.address, hash_values(block_hashes))
 
     def expected_blocks(self, engine: EngineHandle, block_hashes: list) -> int:
         """Leading prompt blocks the router expects ``engine``'s prefix cache to hold: the

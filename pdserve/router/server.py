@@ -83,7 +83,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--kv-load-weight",
         type=float,
         default=DEFAULT_KV_LOAD_WEIGHT,
-        help="policy kv: score = matched blocks - WEIGHT x requests in flight (see pdserve.router.policies)",
+        help="policy kv: score = matched blocks (held or pending) - WEIGHT x requests in flight "
+        "(see pdserve.router.policies)",
     )
     parser.add_argument(
         "--disagg-min-tokens",

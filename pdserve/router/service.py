@@ -414,6 +414,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             live.expected_hit_blocks[role] = min(
                 self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // self._limits()[2]
             )
+            self.policy.routed(engine, block_hashes)  # after the expectation: not its own blocks
             tried.add(engine.address)
             live.engines.append(engine)
             engine.in_flight += 1
