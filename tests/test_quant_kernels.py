@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import quantize_q8_0, to_kernel_blocks
 from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
-from pdserve.kernels import cpu_quant
+from pdserve.kernels import cpu_build, cpu_quant
 from pdserve.kernels.cpu_quant import BlockKind
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler to build the kernels")
@@ -150,8 +150,8 @@ def test_without_a_compiler_the_modules_fall_back_to_the_torch_reference(monkeyp
     table_blocks = quantize_q8_0(torch.randn(20, 64))
     looked_up = QuantEmbedding(BlockKind.Q8_0, table_blocks, 64, torch.float32)(torch.tensor([4, 19]))
 
-    monkeypatch.setattr(cpu_quant, "_library", None)
-    monkeypatch.setattr(cpu_quant, "_load_error", "no C compiler (cc, gcc or clang) on PATH")
+    monkeypatch.setattr(cpu_quant.KERNELS, "_library", None)
+    monkeypatch.setattr(cpu_quant.KERNELS, "_load_error", "no C compiler (cc, gcc or clang) on PATH")
     assert not cpu_quant.available()
     fallback = QuantLinear(kind, blocks, IN_FEATURES)
     assert not fallback.use_kernel
@@ -164,7 +164,7 @@ def test_without_a_compiler_the_modules_fall_back_to_the_torch_reference(monkeyp
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocker / "kernels"))
-    assert cpu_quant._cache_dir().parent == Path(tempfile.gettempdir())
+    assert cpu_build.cache_dir().parent == Path(tempfile.gettempdir())
 
 
 @pytest.mark.parametrize("in_features", [32, 96, 608], ids=["1-block", "3-blocks", "19-blocks"])

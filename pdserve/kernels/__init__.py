@@ -1,7 +1,8 @@
 """Paged-KV-cache kernels behind one dispatcher.
 
 Every op has a torch reference (``reference.py``, what CPU runs) and a Triton kernel
-(``triton_ops.py``, what CUDA runs). The runner only calls the functions below, which pick the
+(``triton_ops.py``, what CUDA runs); decode attention over a bf16 cache also has a C kernel for
+the CPU (``cpu_attention.py``). The runner only calls the functions below, which pick the
 implementation from the tensors' device. ``PDSERVE_KERNELS=triton`` forces Triton (used with
 ``TRITON_INTERPRET=1`` to run the Triton path on CPU in tests); ``PDSERVE_KERNELS=torch``
 forces the reference.
@@ -14,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import cpu_attention, reference
 
 _BACKEND_ENV = "PDSERVE_KERNELS"
 
@@ -49,11 +50,14 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    impl = (
-        _triton().paged_attention_decode
-        if use_triton(kv_cache_layer)
-        else reference.paged_attention_decode_ref
-    )
+    """Triton on CUDA; on the CPU the C kernel for a bf16 cache (``cpu_attention``), else the
+    torch reference (fp32 caches, ``PDSERVE_KERNELS=torch``, or no C compiler)."""
+    if use_triton(kv_cache_layer):
+        impl = _triton().paged_attention_decode
+    elif os.environ.get(_BACKEND_ENV, "").lower() != "torch" and cpu_attention.serves(query, kv_cache_layer):
+        impl = cpu_attention.paged_attention_decode
+    else:
+        impl = reference.paged_attention_decode_ref
     return impl(query, kv_cache_layer, block_tables, seq_lens, scale)
 
 

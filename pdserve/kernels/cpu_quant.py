@@ -1,11 +1,8 @@
-"""The CPU kernels for GGUF-block weights (``kernels/cpu/quant_matmul.c``): build, load, call.
+"""The CPU kernels for GGUF-block weights (``kernels/cpu/quant_matmul.c``), and their torch reference.
 
-The C source is compiled at first use with the host's C compiler and ``-march=native`` into
-``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by the source, the compiler and the
-CPU's flags, so a machine of another kind builds its own copy. It is called through ``ctypes``
-on tensors' data pointers: the kernels need no torch headers, which would cost a minute of
-compile time per build. Where no compiler is found, ``available()`` is False and the quantized
-modules fall back to the torch reference here (correct, slower).
+The C source is built and loaded by ``cpu_build`` (at first use, ``-march=native``, cached per
+machine); where it cannot be, ``available()`` is False and the quantized modules fall back to
+the torch reference here (correct, slower).
 
 Block layouts are GGUF's: ``Q8_0`` as it is (fp16 d, 32 int8: 34 bytes a block of 32 weights);
 ``Q4_1`` (fp16 d, fp16 m, 16 bytes of nibbles: 20 bytes) with each row's bytes regrouped as
@@ -16,25 +13,13 @@ kernel loads consecutive blocks' nibbles, and 16 blocks' scales, as one vector e
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from enum import IntEnum
-from pathlib import Path
 
 import torch
 
-from pdserve.engine.cpu_resources import cpu_flags
-
-logger = logging.getLogger(__name__)
+from pdserve.kernels.cpu_build import CLibrary
 
 BLOCK_SIZE = 32
-SOURCE = Path(__file__).parent / "cpu" / "quant_matmul.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 class BlockKind(IntEnum):
@@ -48,86 +33,25 @@ class BlockKind(IntEnum):
         return 20 if self is BlockKind.Q4_1 else 34
 
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_error: str | None = None
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.pd_quant_matmul.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
+    lib.pd_quant_matmul.restype = None
+    lib.pd_quant_dequant.argtypes = [cint, ptr, i64, ptr, i64, ptr, cint, cint]
+    lib.pd_quant_dequant.restype = None
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cache_dir() -> Path:
-    """``$PDSERVE_KERNEL_CACHE``, else ``~/.cache/pdserve/kernels``; a temporary directory where
-    that cannot be written (a container with a read-only root filesystem and a writable /tmp)."""
-    chosen = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
-    try:
-        chosen.mkdir(parents=True, exist_ok=True)
-        if os.access(chosen, os.W_OK):
-            return chosen
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
-
-
-def _build(compiler: str) -> Path:
-    """Compile the source once per (source, compiler, CPU) and return the shared library's path."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        SOURCE.read_bytes()
-        + version.encode()
-        + " ".join(sorted(cpu_flags())).encode()
-        + " ".join(CFLAGS).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / key / "libpdserve_quant.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: engines starting together never load a half-written file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [compiler, *CFLAGS, str(SOURCE), "-o", partial]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        os.unlink(partial)
-        raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
-    os.replace(partial, target)
-    logger.info("built the quantized-weight kernels: %s", target)
-    return target
+KERNELS = CLibrary("quant_matmul.c", _declare, "quantized-weight matmuls")
 
 
 def library() -> ctypes.CDLL:
     """The loaded kernels (built on first call); raises ``RuntimeError`` when they cannot be."""
-    global _library, _load_error
-    with _lock:
-        if _library is None and _load_error is None:
-            compiler = _compiler()
-            try:
-                if compiler is None:
-                    raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-                lib = ctypes.CDLL(str(_build(compiler)))
-            except (RuntimeError, OSError) as exc:
-                _load_error = str(exc)
-                logger.warning("quantized-weight kernels unavailable (%s); the torch reference runs", exc)
-            else:
-                i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-                lib.pd_quant_matmul.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
-                lib.pd_quant_matmul.restype = None
-                lib.pd_quant_dequant.argtypes = [cint, ptr, i64, ptr, i64, ptr, cint, cint]
-                lib.pd_quant_dequant.restype = None
-                _library = lib
-        if _library is None:
-            raise RuntimeError(f"quantized-weight kernels unavailable: {_load_error}")
-        return _library
+    return KERNELS.load()
 
 
 def available() -> bool:
-    """True when the C kernels build and load here (``library`` logs, once, why they do not)."""
-    try:
-        library()
-    except RuntimeError:
-        return False
-    return True
+    """True when the C kernels build and load here (logged once, why they do not)."""
+    return KERNELS.available()
 
 
 def _check(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:

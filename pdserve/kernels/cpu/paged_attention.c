@@ -1,0 +1,276 @@
+/*
+ * Decode attention over the paged KV cache for the CPU engine: one query token per sequence,
+ * read straight from each sequence's blocks.
+ *
+ * The torch reference gathers every sequence's blocks into a contiguous buffer (a copy of all
+ * the K and V a step reads), pads each group of sequences to its longest, and calls SDPA. Here
+ * two passes read a sequence's keys, then its values, in place from the cache:
+ *   1. scores[h][t] = scale * q[h] . k[t]  (fp32 sums), and each head's maximum;
+ *   2. out[h] = sum_t exp(scores[h][t] - max[h]) * v[t] / sum_t exp(...).
+ * bf16 or fp32 caches; sums and the softmax in fp32, the result rounded to the query's dtype
+ * (round to nearest even, as torch does).
+ *
+ * With AVX-512 and head_dim a multiple of 16 (decode_seq_avx512), a sequence is one task and its
+ * positions are read in cache order: a position's rows of every KV head lie together, and a
+ * block's K (or V) half is one run of positions, so each block is one sequential read and each
+ * row serves every query head that shares it (GQA). Reading one KV head at a time instead
+ * (every third 128 bytes of a block, three times over) made the same attention 1.8x slower in
+ * the engine's cache, whose blocks lie a whole block of every layer apart. Elsewhere, a
+ * portable loop (one task per sequence and KV head, `omp simd` reductions). Tasks are split
+ * between OpenMP threads.
+ *
+ * Cache layout (pdserve/engine/kv_layout.py): a layer's view [num_blocks, 2 (K, V), block_size,
+ * num_kv_heads, head_dim], contiguous within a block. Built at first use with the host compiler
+ * and -march=native (pdserve/kernels/cpu_build.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* for (t = 0; t < len; t++) with `offset` the element offset of position t's row in the cache
+ * (its block from the table, plus `extra`): walked block by block, without a division per
+ * position (a 64-bit division costs more than the position's arithmetic). Ends in two loops'
+ * headers, so the body follows in braces. */
+#define FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, extra)                \
+    for (int64_t t##_block = 0, t = 0; t < (len); t##_block++)                                                  \
+        for (int64_t offset = (int64_t)(table)[t##_block] * (block_stride) + (extra),                          \
+                     t##_end = t + (block_size) < (len) ? t + (block_size) : (len);                            \
+             t < t##_end; t++, offset += (token_stride))
+
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_HEADS 128
+#define MAX_HEAD_DIM 256
+
+static inline float bf16_to_fp32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t fp32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* One position's row of `dim` values (K or V of one KV head) widened to fp32. */
+static inline void load_row(const void *cache, int is_bf16, int64_t offset, int dim, float *row) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)cache + offset;
+#pragma omp simd
+        for (int d = 0; d < dim; d++) {
+            uint32_t bits = (uint32_t)src[d] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            row[d] = f;
+        }
+    } else {
+        memcpy(row, (const float *)cache + offset, (size_t)dim * sizeof(float));
+    }
+}
+
+#if defined(__AVX512F__)
+#define MAX_VECS (MAX_HEAD_DIM / 16)
+
+/* exp(x) for x <= 0 (scores minus their maximum), 16 at a time: Cephes' expf (x = n ln2 + r,
+ * |r| <= ln2 / 2, a degree-6 polynomial for e^r, then 2^n by vscalefps), within 2 ulp of expf;
+ * below -87.3 the result is 0's neighbour 2^-126 or less, as expf's would be. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One position's K or V row of nvec * 16 values as fp32 vectors. */
+static inline __attribute__((always_inline)) void load_vecs(const void *cache, int is_bf16, int64_t offset, int nvec,
+                                                            __m512 *v) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)cache + offset;
+        for (int i = 0; i < nvec; i++) {
+            __m256i half = _mm256_loadu_si256((const __m256i *)(src + 16 * i));
+            v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        }
+    } else {
+        const float *src = (const float *)cache + offset;
+        for (int i = 0; i < nvec; i++) v[i] = _mm512_loadu_ps(src + 16 * i);
+    }
+}
+
+/* The task of one sequence, every head, with head_dim a multiple of 16. A position's K (or V)
+ * rows of all KV heads are one contiguous run in its block, and a block's K half is one
+ * contiguous run of positions: read in that order, each block is a sequential stream, and each
+ * row is read once for the query heads that share it. */
+static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled */, int64_t num_heads,
+                              int64_t num_kv_heads, int nvec, const void *kv, int kv_is_bf16, const int32_t *table,
+                              int64_t len, int64_t block_size, int64_t block_stride, int64_t half_stride,
+                              int64_t token_stride, float *scores /* [num_heads][len] */,
+                              float *acc /* [num_heads][head_dim] */) {
+    const int64_t head_dim = (int64_t)nvec * 16, group = num_heads / num_kv_heads;
+    float maxes[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
+    __m512 row[MAX_VECS];
+    FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, 0) {
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            load_vecs(kv, kv_is_bf16, offset + kvh * head_dim, nvec, row);
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+                const float *qh = qf + h * head_dim;
+                __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), row[0]);
+                for (int i = 1; i < nvec; i++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), row[i], sum);
+                const float dot = _mm512_reduce_add_ps(sum);
+                scores[h * len + t] = dot;
+                if (dot > maxes[h]) maxes[h] = dot;
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *sh = scores + h * len;
+        const __m512 max = _mm512_set1_ps(maxes[h]);
+        __m512 sums = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), max));
+            _mm512_mask_storeu_ps(sh + t, live, e);
+            sums = _mm512_mask_add_ps(sums, live, sums, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+            _mm512_mask_storeu_ps(sh + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sh + t), inv));
+        }
+        memset(acc + h * head_dim, 0, (size_t)head_dim * sizeof(float));
+    }
+    /* Values in the same order; the heads' sums live in `acc` (L1: a few KB), since their number
+     * is only known at run time. */
+    FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, half_stride) {
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            load_vecs(kv, kv_is_bf16, offset + kvh * head_dim, nvec, row);
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+                const __m512 p = _mm512_set1_ps(scores[h * len + t]);
+                float *ah = acc + h * head_dim;
+                for (int i = 0; i < nvec; i++)
+                    _mm512_storeu_ps(ah + 16 * i, _mm512_fmadd_ps(p, row[i], _mm512_loadu_ps(ah + 16 * i)));
+            }
+        }
+    }
+}
+#endif
+
+/*
+ * q:   [num_seqs, num_heads, head_dim]; out: the same shape and dtype (q_is_bf16).
+ * kv:  the layer's cache (kv_is_bf16), laid out as above within each block; block_stride: the
+ *      elements from one block to the next (the engine's cache holds every layer of a block
+ *      together, so a layer's view steps over the other layers' K and V).
+ * block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context incl. the
+ * new token, whose K/V are already in the cache). scratch: threads * (max_len + 2 * head_dim) *
+ * num_heads floats.
+ */
+void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int kv_is_bf16, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                               int64_t block_stride, const int32_t *block_tables, int64_t max_blocks,
+                               const int32_t *seq_lens, float scale, void *out, float *scratch, int64_t max_len,
+                               int threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;       /* one position, all KV heads */
+    const int64_t half_stride = block_size * token_stride;      /* a block's K (or V) */
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && num_seqs > 1)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            float *mine = scratch + (int64_t)omp_get_thread_num() * (max_len + 2 * head_dim) * num_heads;
+            float *qs = mine + max_len * num_heads, *accs = qs + num_heads * head_dim;
+            for (int64_t h = 0; h < num_heads; h++) {
+                load_row(q, q_is_bf16, (s * num_heads + h) * head_dim, (int)head_dim, qs + h * head_dim);
+                for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] *= scale;
+            }
+            decode_seq_avx512(qs, num_heads, num_kv_heads, (int)(head_dim / 16), kv, kv_is_bf16,
+                              block_tables + s * max_blocks, seq_lens[s], block_size, block_stride, half_stride,
+                              token_stride, mine, accs);
+            for (int64_t h = 0; h < num_heads; h++) {
+                const int64_t ooff = (s * num_heads + h) * head_dim;
+                if (q_is_bf16) {
+                    uint16_t *dst = (uint16_t *)out + ooff;
+                    for (int64_t d = 0; d < head_dim; d++) dst[d] = fp32_to_bf16(accs[h * head_dim + d]);
+                } else {
+                    memcpy((float *)out + ooff, accs + h * head_dim, (size_t)head_dim * sizeof(float));
+                }
+            }
+        }
+        return;
+    }
+#endif
+    const int64_t tasks = num_seqs * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;
+        const int64_t len = seq_lens[s];
+        const int32_t *table = block_tables + s * max_blocks;
+        float *scores = scratch + (int64_t)omp_get_thread_num() * max_len * group; /* [group][len] */
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+        float maxes[MAX_GROUP], sums[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t qoff = (s * num_heads + kvh * group + g) * head_dim;
+            load_row(q, q_is_bf16, qoff, (int)head_dim, qf[g]);
+            for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= scale;
+            maxes[g] = -INFINITY;
+            sums[g] = 0.0f;
+            memset(acc[g], 0, (size_t)head_dim * sizeof(float));
+        }
+        /* Pass 1: scores, keys read once for the whole group. */
+        FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, kvh * head_dim) {
+            load_row(kv, kv_is_bf16, offset, (int)head_dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * row[d];
+                scores[g * len + t] = dot;
+                if (dot > maxes[g]) maxes[g] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float sum = 0.0f, *sg = scores + g * len;
+            for (int64_t t = 0; t < len; t++) {
+                sg[t] = expf(sg[t] - maxes[g]);
+                sum += sg[t];
+            }
+            sums[g] = sum;
+        }
+        /* Pass 2: values, weighted by the probabilities. */
+        FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, half_stride + kvh * head_dim) {
+            load_row(kv, kv_is_bf16, offset, (int)head_dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + t];
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float inv = 1.0f / sums[g];
+            const int64_t ooff = (s * num_heads + kvh * group + g) * head_dim;
+            if (q_is_bf16) {
+                uint16_t *dst = (uint16_t *)out + ooff;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = fp32_to_bf16(acc[g][d] * inv);
+            } else {
+                float *dst = (float *)out + ooff;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[g][d] * inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,118 @@
+"""The CPU engine's C kernels (``kernels/cpu/*.c``): each source built once per machine, and loaded.
+
+A source is compiled at first use with the host's C compiler and ``-march=native`` into
+``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by the source, the compiler and the
+CPU's flags, so a machine of another kind builds its own copy. The kernels are called through
+``ctypes`` on tensors' data pointers: they need no torch headers, which would cost a minute of
+compile time per build. Where no compiler is found, or the build fails, ``available()`` is False
+and the callers run their torch reference (correct, slower); the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.engine.cpu_resources import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent / "cpu"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+LIBS = ["-lm"]
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def cache_dir() -> Path:
+    """``$PDSERVE_KERNEL_CACHE``, else ``~/.cache/pdserve/kernels``; a temporary directory where
+    that cannot be written (a container with a read-only root filesystem and a writable /tmp)."""
+    chosen = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+    try:
+        chosen.mkdir(parents=True, exist_ok=True)
+        if os.access(chosen, os.W_OK):
+            return chosen
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
+
+
+def build(source: Path, cc: str) -> Path:
+    """Compile ``source`` once per (source, compiler, CPU) and return the shared library's path."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        source.read_bytes()
+        + version.encode()
+        + " ".join(sorted(cpu_flags())).encode()
+        + " ".join(CFLAGS + LIBS).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / key / f"libpdserve_{source.stem}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: engines starting together never load a half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *CFLAGS, str(source), "-o", partial, *LIBS]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        os.unlink(partial)
+        raise RuntimeError(f"building {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+    os.replace(partial, target)
+    logger.info("built the CPU kernels of %s: %s", source.name, target)
+    return target
+
+
+class CLibrary:
+    """One source of ``kernels/cpu/``, built and loaded on first use (once per process).
+
+    ``declare`` sets the loaded library's functions' ``argtypes`` and ``restype``; ``purpose``
+    names what falls back to the torch reference when the library cannot be had.
+    """
+
+    def __init__(self, source_name: str, declare: Callable[[ctypes.CDLL], None], purpose: str) -> None:
+        self.source = SOURCES / source_name
+        self.declare = declare
+        self.purpose = purpose
+        self._lock = threading.Lock()
+        self._library: ctypes.CDLL | None = None
+        self._load_error: str | None = None
+
+    def load(self) -> ctypes.CDLL:
+        """The loaded library (built on first call); raises ``RuntimeError`` when it cannot be."""
+        with self._lock:
+            if self._library is None and self._load_error is None:
+                cc = compiler()
+                try:
+                    if cc is None:
+                        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+                    lib = ctypes.CDLL(str(build(self.source, cc)))
+                    self.declare(lib)
+                except (RuntimeError, OSError, AttributeError) as exc:
+                    self._load_error = str(exc)
+                    logger.warning(
+                        "%s: C kernels unavailable (%s); the torch reference runs", self.purpose, exc
+                    )
+                else:
+                    self._library = lib
+            if self._library is None:
+                raise RuntimeError(f"{self.purpose}: C kernels unavailable: {self._load_error}")
+            return self._library
+
+    def available(self) -> bool:
+        """True when the library builds and loads here (``load`` logs, once, why it does not)."""
+        try:
+            self.load()
+        except RuntimeError:
+            return False
+        return True

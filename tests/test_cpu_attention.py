@@ -1,0 +1,94 @@
+"""The C decode attention (``kernels/cpu/paged_attention.c``) against the torch reference.
+
+Same inputs, same attention: fp32 to float rounding, bf16 to one rounding of the output. Shapes
+cover what the kernel branches on: head_dim a multiple of 16 (the AVX-512 path) or not (the
+portable loop), GQA groups of 1 to 4 heads, contexts of one token, exactly a block, and a block
+plus one, and the engine's real cache view (a layer of a cache that holds every layer per block).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.kernels import cpu_attention, reference
+
+pytestmark = pytest.mark.skipif(not cpu_attention.KERNELS.available(), reason="no C compiler here")
+
+
+def _case(seed: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+          lens: list[int], dtype: torch.dtype, num_layers: int = 3):  # fmt: skip
+    """Queries, one layer's view of an all-layers cache, random block tables, the lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = num_seqs * max_blocks + 3
+    cache = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
+        dtype
+    )
+    layer = cache[:, 1]  # not contiguous: a block's other layers lie between two of its views
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    return query, layer, tables.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 32), (8, 2, 48), (6, 3, 20)],
+    ids=["smollm-gqa3", "mha", "gqa4-dim48", "dim20-portable"],
+)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 37]
+    query, layer, tables, seq_lens = _case(
+        0, len(lens), num_heads, num_kv_heads, head_dim, block_size, lens, dtype
+    )
+    want = reference.paged_attention_decode_ref(query, layer, tables, seq_lens, 0.125)
+    got = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # both sum in fp32; the outputs may differ by a rounding to bf16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-3)
+
+
+def test_threads_split_the_work_without_changing_a_result():
+    lens = [300, 17, 129, 64, 1, 250, 90, 33]
+    query, layer, tables, seq_lens = _case(1, len(lens), 9, 3, 64, 16, lens, torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each (sequence, KV head) is one task, summed the same way
+
+
+def test_the_dispatcher_runs_it_for_bf16_caches_only(monkeypatch):
+    lens = [40, 3]
+    calls = []
+    real = cpu_attention.paged_attention_decode
+    monkeypatch.setattr(cpu_attention, "paged_attention_decode", lambda *a: calls.append(1) or real(*a))
+    for dtype, expected_calls in ((torch.bfloat16, 1), (torch.float32, 0)):
+        calls.clear()
+        query, layer, tables, seq_lens = _case(2, len(lens), 9, 3, 64, 16, lens, dtype)
+        kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+        assert len(calls) == expected_calls, dtype
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")  # forces the reference
+    calls.clear()
+    query, layer, tables, seq_lens = _case(2, len(lens), 9, 3, 64, 16, lens, torch.bfloat16)
+    kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    assert calls == []
+
+
+def test_without_the_library_the_reference_runs(monkeypatch):
+    monkeypatch.setattr(cpu_attention.KERNELS, "_library", None)
+    monkeypatch.setattr(cpu_attention.KERNELS, "_load_error", "no C compiler (cc, gcc or clang) on PATH")
+    lens = [20]
+    query, layer, tables, seq_lens = _case(3, 1, 9, 3, 64, 16, lens, torch.bfloat16)
+    assert not cpu_attention.serves(query, layer)
+    out = kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    assert torch.equal(out, reference.paged_attention_decode_ref(query, layer, tables, seq_lens, 0.125))
