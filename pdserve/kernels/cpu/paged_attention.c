@@ -79,6 +79,7 @@ static inline void load_row(const void *cache, int is_bf16, int64_t offset, int 
 
 #if defined(__AVX512F__)
 #define MAX_VECS (MAX_HEAD_DIM / 16)
+#define MAX_SPECIAL_SUMS 24 /* registers the special cases of values_of_block keep their sums in */
 
 /* exp(x) for x <= 0 (scores minus their maximum), 16 at a time: Cephes' expf (x = n ln2 + r,
  * |r| <= ln2 / 2, a degree-6 polynomial for e^r, then 2^n by vscalefps), within 2 ulp of expf;
@@ -99,6 +100,15 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Ask for `bytes` from `from` on. The next block is anywhere in the cache (the engine's blocks
+ * lie a block of every layer apart), where the hardware prefetcher cannot guess it: asked for a
+ * block's work ahead, it is on its way before it is read (8 sequences x 257 tokens, 30 layers
+ * of the engine's cache, one core: 7.0-8.2 ms with, 8.2-8.5 ms without, 4.3 ms for the same
+ * work on a cache that fits in L3). */
+static inline void prefetch_bytes(const char *from, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
+}
+
 /* One position's K or V row of nvec * 16 values as fp32 vectors. */
 static inline __attribute__((always_inline)) void load_vecs(const void *cache, int is_bf16, int64_t offset, int nvec,
                                                             __m512 *v) {
@@ -111,6 +121,52 @@ static inline __attribute__((always_inline)) void load_vecs(const void *cache, i
     } else {
         const float *src = (const float *)cache + offset;
         for (int i = 0; i < nvec; i++) v[i] = _mm512_loadu_ps(src + 16 * i);
+    }
+}
+
+/* acc[g] += sum over a block's positions o of p[g * p_stride + o] * v[o], for the `group` query
+ * heads of one KV head. With `group` and `nvec` constants (values_of_block's cases) the sums
+ * stay in registers over the block; otherwise they are read and written in acc each position. */
+static inline __attribute__((always_inline)) void values_of_block_as(const void *kv, int kv_is_bf16, int64_t base,
+                                                                    int64_t positions, int64_t token_stride,
+                                                                    const float *p, int64_t p_stride, float *acc,
+                                                                    const int group, const int nvec) {
+    const int64_t head_dim = (int64_t)nvec * 16;
+    __m512 sums[MAX_SPECIAL_SUMS], row[MAX_VECS];
+    for (int g = 0; g < group; g++)
+        for (int i = 0; i < nvec; i++) sums[g * nvec + i] = _mm512_loadu_ps(acc + g * head_dim + 16 * i);
+    for (int64_t o = 0; o < positions; o++) {
+        load_vecs(kv, kv_is_bf16, base + o * token_stride, nvec, row);
+        for (int g = 0; g < group; g++) {
+            const __m512 weight = _mm512_set1_ps(p[g * p_stride + o]);
+            for (int i = 0; i < nvec; i++) sums[g * nvec + i] = _mm512_fmadd_ps(weight, row[i], sums[g * nvec + i]);
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int i = 0; i < nvec; i++) _mm512_storeu_ps(acc + g * head_dim + 16 * i, sums[g * nvec + i]);
+}
+
+static void values_of_block(const void *kv, int kv_is_bf16, int64_t base, int64_t positions, int64_t token_stride,
+                            const float *p, int64_t p_stride, float *acc, int group, int nvec) {
+#define VALUES_CASE(G, V)                                                                                        \
+    case (G) * 100 + (V):                                                                                        \
+        values_of_block_as(kv, kv_is_bf16, base, positions, token_stride, p, p_stride, acc, G, V);               \
+        return;
+    switch (group * 100 + nvec) { /* the shapes of common models: head_dim 64 or 128, GQA 1-8 */
+        VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4)
+        VALUES_CASE(6, 4) VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
+    }
+#undef VALUES_CASE
+    const int64_t head_dim = (int64_t)nvec * 16;
+    __m512 row[MAX_VECS];
+    for (int64_t o = 0; o < positions; o++) {
+        load_vecs(kv, kv_is_bf16, base + o * token_stride, nvec, row);
+        for (int g = 0; g < group; g++) {
+            const __m512 weight = _mm512_set1_ps(p[g * p_stride + o]);
+            float *ag = acc + g * head_dim;
+            for (int i = 0; i < nvec; i++)
+                _mm512_storeu_ps(ag + 16 * i, _mm512_fmadd_ps(weight, row[i], _mm512_loadu_ps(ag + 16 * i)));
+        }
     }
 }
 
@@ -127,7 +183,12 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
     float maxes[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
     __m512 row[MAX_VECS];
+    const int64_t num_blocks = (len + block_size - 1) / block_size, elem = kv_is_bf16 ? 2 : 4;
     FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, 0) {
+        if (t_block + 1 < num_blocks) /* the same row of the next block, a block's work ahead */
+            prefetch_bytes((const char *)kv + ((int64_t)table[t_block + 1] * block_stride
+                                               + (offset - (int64_t)table[t_block] * block_stride)) * elem,
+                           token_stride * elem);
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
             load_vecs(kv, kv_is_bf16, offset + kvh * head_dim, nvec, row);
             for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
@@ -157,18 +218,17 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
         }
         memset(acc + h * head_dim, 0, (size_t)head_dim * sizeof(float));
     }
-    /* Values in the same order; the heads' sums live in `acc` (L1: a few KB), since their number
-     * is only known at run time. */
-    FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, half_stride) {
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
-            load_vecs(kv, kv_is_bf16, offset + kvh * head_dim, nvec, row);
-            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-                const __m512 p = _mm512_set1_ps(scores[h * len + t]);
-                float *ah = acc + h * head_dim;
-                for (int i = 0; i < nvec; i++)
-                    _mm512_storeu_ps(ah + 16 * i, _mm512_fmadd_ps(p, row[i], _mm512_loadu_ps(ah + 16 * i)));
-            }
-        }
+    /* Values block by block, one KV head at a time within a block (its V half, a few KB, stays in
+     * L1 for the next head). */
+    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
+        const int64_t positions = len - first < block_size ? len - first : block_size;
+        const int64_t base = (int64_t)table[block] * block_stride + half_stride;
+        if (first + block_size < len)
+            prefetch_bytes((const char *)kv + ((int64_t)table[block + 1] * block_stride + half_stride) * elem,
+                           block_size * token_stride * elem);
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+            values_of_block(kv, kv_is_bf16, base + kvh * head_dim, positions, token_stride,
+                            scores + kvh * group * len + first, len, acc + kvh * group * head_dim, (int)group, nvec);
     }
 }
 #endif
