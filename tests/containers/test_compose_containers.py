@@ -85,6 +85,14 @@ def test_greedy_tokens_through_grpc_and_http_equal_the_colocated_llm(cluster: Co
     assert sum(e["prefix_cache_queries"] for e in stats if e["role"] == "prefill") > 0
 
 
+def test_the_engines_build_and_load_their_c_kernels_on_a_read_only_root(cluster: ComposeCluster):
+    """The kernels' C sources ship in the image and compile into /tmp (the tmpfs) as the user."""
+    probe = "from pdserve.kernels import cpu_attention, cpu_quant; print(cpu_attention.KERNELS.available(), cpu_quant.available())"
+    for service in ENGINES[:1] + ["router"]:
+        checked = podman("exec", cluster.container(service), "python", "-c", probe, timeout=180)
+        assert checked.stdout.split() == ["True", "True"], (service, checked.stdout, checked.stderr)
+
+
 def test_the_router_refuses_a_wrong_api_key(cluster: ComposeCluster):
     with Client(cluster.router, api_key="sk-wrong") as client, pytest.raises(grpc.RpcError) as refused:
         client.generate(prompt="Hello", max_tokens=1, timeout=TIMEOUT_S)
