@@ -45,8 +45,8 @@ MAX_DECODE_RESUMES = 2
 class RouterError(Exception):
     """Ends a request with a status code (raised inside the request path).
 
-    ``resumable``: the engine went away (or lost the request's KV) with the request unfinished,
-    so another engine of the same role can go on with it.
+    ``resumable``: the engine went away with the request unfinished, so another engine of the
+    same role can go on with it.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, resumable: bool = False) -> None:
@@ -343,8 +343,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """The decode stage, after ``output`` (the tokens already streamed: the prefill's first
         one, or none); ``sampling`` counts from the start of the output.
 
-        If the decode engine dies, or loses the request's KV, after streaming part of the answer,
-        the rest is resumed on another healthy decode engine: it computes the prompt and every
+        If the decode engine dies after streaming part of the answer, the rest is resumed on
+        another healthy decode engine: it computes the prompt and every
         token streamed so far itself (the prefill engine released its blocks once they were
         pulled), and its sampler counts those tokens as its own output (``min_tokens``, penalties,
         ``max_tokens``), so the client's stream goes on where it stopped. Greedy requests get the
@@ -472,7 +472,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             engine.address,
                         )
                         continue
-                resumable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+                # The engine went away: another can go on. Not a lost KV transfer (ABORTED): an
+                # engine refuses it under --kv-load-failure-policy fail so that no decode engine
+                # computes the prompt, which a resume would do.
+                resumable = code == grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.ABORTED:
                     # The engine is fine but this request's remote KV was lost: retriable by the client.
                     code = grpc.StatusCode.UNAVAILABLE
