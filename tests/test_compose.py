@@ -1,6 +1,8 @@
-"""deploy/docker-compose.yml, proven without a Docker engine.
+"""deploy/docker-compose.yml, proven without containers.
 
-There is no Docker engine here (nor in CI), so the compose file is checked in two ways:
+``tests/containers/`` (``make test-containers``, run by CI after ``make test``) builds the image
+and runs the file in real containers with podman. Here, in ``make test`` and on machines without
+podman, the compose file is checked in two ways:
 
 - Debian's ``docker-compose`` (installed by ``.ci/run``) validates it with ``config``, and refuses
   it when no cluster token is set.
