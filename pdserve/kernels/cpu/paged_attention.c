@@ -70,12 +70,7 @@ static inline void load_row(const void *cache, int is_bf16, int64_t offset, int 
     if (is_bf16) {
         const uint16_t *src = (const uint16_t *)cache + offset;
 #pragma omp simd
-        for (int d = 0; d < dim; d++) {
-            uint32_t bits = (uint32_t)src[d] << 16;
-            float f;
-            memcpy(&f, &bits, sizeof f);
-            row[d] = f;
-        }
+        for (int d = 0; d < dim; d++) row[d] = bf16_to_fp32(src[d]);
     } else {
         memcpy(row, (const float *)cache + offset, (size_t)dim * sizeof(float));
     }
@@ -112,6 +107,16 @@ static inline __m512 exp_nonpositive(__m512 x) {
 static inline void prefetch_bytes(const char *from, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
 }
+
+/* Prefetch the half (K: extra 0, V: extra half_stride) of the block after `block`, if any. */
+static inline void prefetch_next_half(const void *kv, int64_t elem, const int32_t *table, int64_t block,
+                                      int64_t num_blocks, int64_t block_stride, int64_t extra, int64_t half_stride) {
+    if (block + 1 < num_blocks)
+        prefetch_bytes((const char *)kv + ((int64_t)table[block + 1] * block_stride + extra) * elem, half_stride * elem);
+}
+
+/* The first min(n, 16) lanes. */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* One position's K or V row of nvec * 16 values as fp32 vectors. */
 static inline __attribute__((always_inline)) void load_vecs(const void *cache, int is_bf16, int64_t offset, int nvec,
@@ -233,12 +238,10 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
         const __m512 scale_v = _mm512_set1_ps(scale);
         for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
             const int64_t base = (int64_t)table[block] * block_stride;
-            if (block + 1 < num_blocks)
-                prefetch_bytes((const char *)kv + (int64_t)table[block + 1] * block_stride * elem,
-                               block_size * token_stride * elem);
+            prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, 0, half_stride);
             for (int64_t o = 0; o < block_size && first + o < len; o += 16) {
                 const int64_t positions = min64(min64(16, len - first - o), block_size - o);
-                const __mmask16 live = (__mmask16)((1u << positions) - 1);
+                const __mmask16 live = first_lanes(positions);
                 for (int64_t h = 0; h < num_heads; h++) {
                     const uint16_t *k = (const uint16_t *)kv + base + o * token_stride + (h / group) * head_dim;
                     const __m512 dots = _mm512_mul_ps(dots_bf16(k, positions, token_stride, qbf + h * head_dim, head_dim), scale_v);
@@ -250,20 +253,20 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
         for (int64_t h = 0; h < num_heads; h++) maxes[h] = _mm512_reduce_max_ps(max_of[h]);
     } else
 #endif
-    FOR_EACH_POSITION(t, offset, table, len, block_size, block_stride, token_stride, 0) {
-        if (t_block + 1 < num_blocks) /* the same row of the next block, a block's work ahead */
-            prefetch_bytes((const char *)kv + ((int64_t)table[t_block + 1] * block_stride
-                                               + (offset - (int64_t)table[t_block] * block_stride)) * elem,
-                           token_stride * elem);
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
-            load_vecs(kv, kv_is_bf16, offset + kvh * head_dim, nvec, row);
-            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-                const float *qh = qf + h * head_dim;
-                __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), row[0]);
-                for (int i = 1; i < nvec; i++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), row[i], sum);
-                const float dot = _mm512_reduce_add_ps(sum);
-                scores[h * len + t] = dot;
-                if (dot > maxes[h]) maxes[h] = dot;
+    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
+        const int64_t positions = min64(len - first, block_size), base = (int64_t)table[block] * block_stride;
+        prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, 0, half_stride);
+        for (int64_t o = 0; o < positions; o++) {
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                load_vecs(kv, kv_is_bf16, base + o * token_stride + kvh * head_dim, nvec, row);
+                for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+                    const float *qh = qf + h * head_dim;
+                    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), row[0]);
+                    for (int i = 1; i < nvec; i++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), row[i], sum);
+                    const float dot = _mm512_reduce_add_ps(sum);
+                    scores[h * len + first + o] = dot;
+                    if (dot > maxes[h]) maxes[h] = dot;
+                }
             }
         }
     }
@@ -272,14 +275,14 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
         const __m512 max = _mm512_set1_ps(maxes[h]);
         __m512 sums = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __mmask16 live = first_lanes(len - t);
             const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), max));
             _mm512_mask_storeu_ps(sh + t, live, e);
             sums = _mm512_mask_add_ps(sums, live, sums, e);
         }
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
         for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __mmask16 live = first_lanes(len - t);
             _mm512_mask_storeu_ps(sh + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sh + t), inv));
         }
         memset(acc + h * head_dim, 0, (size_t)head_dim * sizeof(float));
@@ -287,11 +290,9 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
     /* Values block by block, one KV head at a time within a block (its V half, a few KB, stays in
      * L1 for the next head). */
     for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
-        const int64_t positions = len - first < block_size ? len - first : block_size;
+        const int64_t positions = min64(len - first, block_size);
         const int64_t base = (int64_t)table[block] * block_stride + half_stride;
-        if (first + block_size < len)
-            prefetch_bytes((const char *)kv + ((int64_t)table[block + 1] * block_stride + half_stride) * elem,
-                           block_size * token_stride * elem);
+        prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, half_stride, half_stride);
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
             values_of_block(kv, kv_is_bf16, base + kvh * head_dim, positions, token_stride,
                             scores + kvh * group * len + first, len, acc + kvh * group * head_dim, (int)group, nvec);
