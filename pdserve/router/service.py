@@ -261,61 +261,54 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decode_hit = max(self.policy.expected_blocks(d, block_hashes) for d in decodes) * block_size
         direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
 
-        if direct:
-            async with contextlib.aclosing(
-                self._decode(live, tokens, [], sampling, priority, None, block_hashes, timeout, text, timings)
-            ) as decoded:
-                async for response in decoded:
-                    yield response
-            return
+        # What decode starts from: nothing (served colocated on decode), or the prefill's first
+        # token and the address of the blocks it holds for decode to pull.
+        output: list[int] = []
+        kv_params: common_pb2.KVTransferParams | None = None
+        prefill_done: float | None = None
+        if not direct:
+            # Prefill: the first token and the held blocks' address.
+            prefill_sampling = dataclasses.replace(
+                sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)
+            )
+            remote = sampling.max_tokens > 1
+            kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
+            stage = self._stream_stage(
+                live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout
+            )
+            first: engine_pb2.EngineGenerateResponse | None = None
+            try:
+                async with contextlib.aclosing(
+                    self._relay(live, stage, text, timings, first_stage=True, last_stage=not remote)
+                ) as relay:
+                    async for response, message in relay:
+                        first = message
+                        yield response
+                        if response.finish_reason:
+                            return  # EOS, a stop token or string, max_tokens == 1
+            except RouterError as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE or first is not None:
+                    raise
+                # Every prefill engine failed before answering: serve it colocated on decode.
+                logger.warning("%s: %s; falling back to decode alone", live.request_id, exc)
+            else:
+                if first is None or first.finish_reason != "length":
+                    return
+                if live.aborted:
+                    raise _Aborted()
+                prefill_done = time.perf_counter()
+                live.timeline["router.prefill_answer"] = time.time()
+                output, kv_params = list(first.token_ids), first.kv_transfer_params
 
-        # Prefill: the first token and the held blocks' address.
-        prefill_sampling = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
-        remote = sampling.max_tokens > 1
-        kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
-        stage = self._stream_stage(
-            live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout
-        )
-        first: engine_pb2.EngineGenerateResponse | None = None
-        fallback = False
-        try:
-            async with contextlib.aclosing(
-                self._relay(live, stage, text, timings, first_stage=True, last_stage=not remote)
-            ) as relay:
-                async for response, message in relay:
-                    first = message
-                    yield response
-                    if response.finish_reason:
-                        return  # EOS, a stop token or string, max_tokens == 1
-        except RouterError as exc:
-            if exc.code != grpc.StatusCode.UNAVAILABLE or first is not None:
-                raise
-            # Every prefill engine failed before answering: serve it colocated on decode.
-            logger.warning("%s: %s; falling back to decode alone", live.request_id, exc)
-            fallback = True
-        if fallback:
-            async with contextlib.aclosing(
-                self._decode(live, tokens, [], sampling, priority, None, block_hashes, timeout, text, timings)
-            ) as decoded:
-                async for response in decoded:
-                    yield response
-            return
-        if first is None or first.finish_reason != "length":
-            return
-        if live.aborted:
-            raise _Aborted()
-        prefill_done = time.perf_counter()
-        live.timeline["router.prefill_answer"] = time.time()
-
-        # Decode: pulls the blocks, continues after the first token.
+        # Decode: colocated, or after the prefill's first token, pulling its blocks.
         async with contextlib.aclosing(
             self._decode(
                 live,
                 tokens,
-                list(first.token_ids),
+                output,
                 sampling,
                 priority,
-                first.kv_transfer_params,
+                kv_params,
                 block_hashes,
                 timeout,
                 text,
