@@ -31,7 +31,7 @@ test: lint
 # builds the image of deploy/Dockerfile on a local Debian base (made once, then cached in
 # ~/.cache/pdserve/containers), starts the cluster, checks it, kills a decode engine, takes it down.
 # Installs podman, debootstrap and docker-compose from Debian when run as root; skips, saying why,
-# where it cannot. About 5 minutes on 2 cores (4 with the base image cached).
+# where it cannot. About 4 minutes on 2 cores from nothing (CI: 3:53), 2-3 once the images are cached.
 test-containers: $(STAMP)
 	PDSERVE_CONTAINER_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --log-cli-level=INFO \
 		--log-cli-format='%(asctime)s %(name)s: %(message)s' tests/containers

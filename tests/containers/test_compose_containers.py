@@ -182,9 +182,8 @@ def test_a_killed_decode_engine_is_restarted_and_rejoins(cluster: ComposeCluster
     while int(cluster.inspect(victim, "{{.RestartCount}}")) <= restarts_before:
         assert time.monotonic() < deadline, "not restarted"
         time.sleep(1.0)
-    back_s = cluster.wait_healthy([victim], timeout_s=300)
+    cluster.wait_healthy([victim], timeout_s=300)  # raises if it never becomes healthy
     log.info("%s restarted and healthy %.0f s after the kill", victim, time.monotonic() - killed_at)
-    assert back_s >= 0
     with Client(cluster.router, api_key=cluster.api_key) as client:
         for i in range(40):
             engines = {e["address"]: e for e in client.stats(timeout=10)}
