@@ -104,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     gen.add_argument(
         "--quantization",
-        default="none",
-        choices=["none", "gguf", "int8"],
-        help="weights as they are in the GGUF file (gguf), int8 blocks made at load, or dense (none)",
+        default=None,
+        choices=["auto", "none", "gguf", "int8"],
+        help="auto (the default: a GGUF file's blocks where the kernels build), weights as they are in "
+        "the GGUF file (gguf), int8 blocks made at load, or dense (none)",
     )
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -19,16 +19,24 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 HANDOVER_STEPS = ("joined", "separate", "inflight")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # How the weights are held: dense in the dtype, a GGUF file's own quantized blocks, or int8
-# blocks made at load (pdserve.engine.model.quant_linear).
-QUANTIZATION_CHOICES = ("none", "gguf", "int8")
-# Sets the default of ``--dtype`` / ``LLM(dtype=...)`` for every engine started from this
-# environment (a test suite that compares tokens across batch shapes pins float32 this way).
+# blocks made at load (pdserve.engine.model.quant_linear); "auto" (the default) serves a GGUF
+# file's blocks as they are where the kernels run (pdserve.engine.model.loader.resolve_quantization).
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+# Set the defaults of ``--dtype`` / ``LLM(dtype=...)`` and ``--quantization`` for every engine
+# started from this environment (a test suite that compares tokens with transformers' dense fp32
+# pins float32 and none this way).
 DTYPE_ENV = "PDSERVE_DTYPE"
+QUANTIZATION_ENV = "PDSERVE_QUANTIZATION"
 
 
 def default_dtype() -> str:
     """``$PDSERVE_DTYPE`` if set, else ``"auto"``."""
     return os.environ.get(DTYPE_ENV, "").strip() or "auto"
+
+
+def default_quantization() -> str:
+    """``$PDSERVE_QUANTIZATION`` if set, else ``"auto"``."""
+    return os.environ.get(QUANTIZATION_ENV, "").strip() or "auto"
 
 
 def _require_positive(**values: int) -> None:
@@ -121,8 +129,9 @@ class ModelConfig:
     # "auto": bf16 where the CPU multiplies it natively, else fp32 (resolved by the process that
     # loads the weights: ``pdserve.engine.cpu_resources.resolve_dtype``).
     dtype: str = field(default_factory=default_dtype)
-    # Weight-only: activations and the KV cache stay in ``dtype`` whatever this is.
-    quantization: str = "none"
+    # Weight-only: activations and the KV cache stay in ``dtype`` whatever this is. "auto":
+    # resolved by the process that loads the weights (``loader.resolve_quantization``).
+    quantization: str = field(default_factory=default_quantization)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -24,7 +24,8 @@ class LLM:
 
     ``model=None`` is the bundled SmolLM2-135M-Instruct. Engine arguments are the fields of
     ``SchedulerConfig`` and ``CacheConfig`` plus ``dtype`` (default ``"auto"``: bf16 where the
-    CPU has native bf16, else fp32) and ``quantization`` (``"none"``, ``"gguf"``: a GGUF file's
+    CPU has native bf16, else fp32) and ``quantization`` (default ``"auto"``: a GGUF file's
+    blocks where the kernels build, else dense; ``"none"``: dense, ``"gguf"``: a GGUF file's
     quantized blocks as they are, ``"int8"``: Q8_0 blocks made at load). Torch's threads are
     left as this process has them.
     """
@@ -34,7 +35,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str | None = None,
-        quantization: str = "none",
+        quantization: str | None = None,
         max_model_len: int = 2048,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -45,9 +46,11 @@ class LLM:
         num_blocks: int = 1024,
         enable_prefix_caching: bool = True,
     ) -> None:
-        # dtype None: ModelConfig's default ("auto", or $PDSERVE_DTYPE).
+        # None: ModelConfig's defaults ("auto", or $PDSERVE_DTYPE / $PDSERVE_QUANTIZATION).
         model_config = ModelConfig(
-            path=model, quantization=quantization, **({} if dtype is None else {"dtype": dtype})
+            path=model,
+            **({} if dtype is None else {"dtype": dtype}),
+            **({} if quantization is None else {"quantization": quantization}),
         )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,

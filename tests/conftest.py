@@ -11,6 +11,10 @@ import pytest
 # fp32 unless a test asks otherwise; bf16 (what --dtype auto picks on a CPU with native bf16)
 # has its own quality tests (tests/test_quality_bf16.py) and placement test.
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
+# Likewise dense weights (--quantization none), which transformers' reference computes with: the
+# default "auto" serves the bundled GGUF's blocks, whose matmuls sum in another order. The
+# quantized modes have their own kernel, quality and engine tests.
+os.environ.setdefault("PDSERVE_QUANTIZATION", "none")
 
 
 @pytest.fixture(scope="session")

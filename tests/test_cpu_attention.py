@@ -1,8 +1,8 @@
 """The C decode attention (``kernels/cpu/paged_attention.c``) against the torch reference.
 
 Same inputs, same attention: fp32 to float rounding, bf16 to one rounding of the output. Shapes
-cover what the kernel branches on: head_dim a multiple of 16 (the AVX-512 path) or not (the
-portable loop), GQA groups of 1 to 4 heads, contexts of one token, exactly a block, and a block
+cover what the kernel branches on: head_dim a multiple of 16 (the AVX-512 path), of 8 (the AVX2
+path on a CPU without AVX-512) or neither (the portable loop), GQA groups of 1 to 4 heads, contexts of one token, exactly a block, and a block
 plus one, and the engine's real cache view (a layer of a cache that holds every layer per block).
 """
 
@@ -69,21 +69,50 @@ def test_threads_split_the_work_without_changing_a_result():
     assert torch.equal(one, two)  # each (sequence, KV head) is one task, summed the same way
 
 
-def test_the_dispatcher_runs_it_for_bf16_caches_only(monkeypatch):
+def test_the_dispatcher_runs_it_for_bf16_caches_and_fp32_ones_its_vectors_take(monkeypatch):
+    """bf16 caches always; fp32 caches where the AVX-512 or AVX2 path takes the head size (the
+    portable loop loses to SDPA in fp32); ``PDSERVE_KERNELS=torch`` forces the reference."""
     lens = [40, 3]
     calls = []
     real = cpu_attention.paged_attention_decode
     monkeypatch.setattr(cpu_attention, "paged_attention_decode", lambda *a: calls.append(1) or real(*a))
-    for dtype, expected_calls in ((torch.bfloat16, 1), (torch.float32, 0)):
+    lanes = cpu_attention.vector_lanes()
+    for dtype, head_dim, expected_calls in (
+        (torch.bfloat16, 64, 1),
+        (torch.bfloat16, 20, 1),
+        (torch.float32, 64, int(lanes > 0)),
+        (torch.float32, 20, 0),  # no vector path for 20
+    ):
         calls.clear()
-        query, layer, tables, seq_lens = _case(2, len(lens), 9, 3, 64, 16, lens, dtype)
+        query, layer, tables, seq_lens = _case(2, len(lens), 9, 3, head_dim, 16, lens, dtype)
         kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
-        assert len(calls) == expected_calls, dtype
+        assert len(calls) == expected_calls, (dtype, head_dim)
     monkeypatch.setenv("PDSERVE_KERNELS", "torch")  # forces the reference
     calls.clear()
     query, layer, tables, seq_lens = _case(2, len(lens), 9, 3, 64, 16, lens, torch.bfloat16)
     kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
     assert calls == []
+
+
+def test_the_vector_path_fits_this_cpu():
+    """16 lanes with AVX-512, 8 with AVX2 (and FMA): a machine of either kind runs its own."""
+    from pdserve.engine.cpu_resources import cpu_flags
+
+    flags = cpu_flags()
+    expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 0
+    assert cpu_attention.vector_lanes() == expected
+
+
+def test_a_sequence_attends_alike_whatever_it_is_batched_with():
+    """fp32: one task per sequence, so its result is bit-identical alone and in a batch."""
+    lens = [300, 17, 129, 64]
+    query, layer, tables, seq_lens = _case(4, len(lens), 9, 3, 64, 16, lens, torch.float32)
+    batch = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    for i in range(len(lens)):
+        alone = cpu_attention.paged_attention_decode(
+            query[i : i + 1], layer, tables[i : i + 1], seq_lens[i : i + 1], 0.125
+        )
+        assert torch.equal(alone[0], batch[i])
 
 
 def test_without_the_library_the_reference_runs(monkeypatch):

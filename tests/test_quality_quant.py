@@ -26,7 +26,12 @@ import pytest
 
 from pdserve.engine.model import quality
 from pdserve.kernels import cpu_quant
-from tests.test_quality_bf16 import MIN_FRACTION_FIRST_4, MIN_MEAN_FIRST_DIVERGENCE, measure_quality
+from tests.test_quality_bf16 import (
+    MIN_FRACTION_FIRST_4,
+    MIN_MEAN_FIRST_DIVERGENCE,
+    measure_quality,
+    needs_native_bf16,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,10 +39,16 @@ pytestmark = [
 ]
 
 MAX_PPL_CHANGE = {"gguf": 0.005, "int8": 0.01}  # |ppl / ppl_fp32_dense - 1|
-SETTINGS = [("float32", "gguf"), ("bfloat16", "gguf"), ("float32", "int8")]
+SETTINGS = [
+    ("float32", "gguf"),
+    pytest.param("bfloat16", "gguf", marks=needs_native_bf16),
+    ("float32", "int8"),
+]
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), SETTINGS, ids=["/".join(s) for s in SETTINGS])
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), SETTINGS, ids=["float32/gguf", "bfloat16/gguf", "float32/int8"]
+)
 def test_quantized_perplexity_within_budget_of_fp32(dtype, quantization):
     reference, _ = measure_quality("float32", "none")
     candidate, _ = measure_quality(dtype, quantization)
@@ -49,7 +60,9 @@ def test_quantized_perplexity_within_budget_of_fp32(dtype, quantization):
         assert change == 0.0  # the file's own numbers, and prefill runs the same GEMM on them
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), SETTINGS, ids=["/".join(s) for s in SETTINGS])
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), SETTINGS, ids=["float32/gguf", "bfloat16/gguf", "float32/int8"]
+)
 def test_quantized_greedy_completions_track_fp32(dtype, quantization):
     _, reference = measure_quality("float32", "none")
     _, candidate = measure_quality(dtype, quantization)

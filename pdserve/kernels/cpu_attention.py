@@ -6,16 +6,19 @@ batch of 8 sequences of ~300 tokens that was 17 of a 54 ms bf16 decode step of S
 one core. The C kernel reads each position's K and V in place, once for all the query heads
 sharing its KV head.
 
-It serves bf16 caches (what ``--dtype auto`` picks on a CPU with native bf16). fp32 caches keep
-the reference: its results are the ones the exact-equivalence tests hold against transformers
-(same SDPA call, same summation order), and a kernel summing in another order could flip a
-near-tie of a greedy token there. Both compute in fp32; the kernel differs from SDPA by a
-rounding of the bf16 output at most (tested).
+It serves bf16 and fp32 caches, with AVX-512 (16-wide) or AVX2 (8-wide) vectors where the
+CPU has them. Both compute in fp32: for a bf16 cache the kernel differs from SDPA by a rounding
+of the bf16 output at most; for an fp32 one by float rounding (another summation order, ~1e-7;
+tested), and each sequence's result does not depend on what it is batched with (one task per
+sequence), where the reference pads a group of sequences to its longest. fp32 caches kept the
+reference while only AVX-512 had a vector path: on AVX2 CPUs (AMD Zen 2/3), where
+``--dtype auto`` picks fp32, the portable loop was slower than SDPA at 8 sequences.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -33,18 +36,28 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, cint, ptr, cint, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr, ptr, i64, cint,
     ]  # fmt: skip
     lib.pd_paged_decode_attention.restype = None
+    lib.pd_paged_attention_vector_lanes.argtypes = []
+    lib.pd_paged_attention_vector_lanes.restype = cint
 
 
 KERNELS = CLibrary("paged_attention.c", _declare, "paged decode attention")
 
 
+@functools.cache
+def vector_lanes() -> int:
+    """The kernel's vector width here (16: AVX-512, 8: AVX2), 0 with only its portable loop
+    (asked once: the library a process loads does not change)."""
+    return int(KERNELS.load().pd_paged_attention_vector_lanes())
+
+
 def serves(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
-    """True when the C kernel runs this call: a bf16 cache on the CPU, head shapes it supports,
-    and the library built here."""
+    """True when the C kernel runs this call: a bf16 cache, or an fp32 one where the vector path
+    takes this head_dim (the portable loop loses to SDPA there), on the CPU, head shapes it
+    supports, and the library built here."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache_layer.shape[3]
     return (
-        kv_cache_layer.dtype == torch.bfloat16
+        kv_cache_layer.dtype in (torch.bfloat16, torch.float32)
         and query.dtype in (torch.bfloat16, torch.float32)
         and kv_cache_layer.device.type == "cpu"
         and kv_cache_layer.shape[-1] == head_dim
@@ -54,7 +67,13 @@ def serves(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
         and num_heads <= MAX_HEADS
         and head_dim <= MAX_HEAD_DIM
         and KERNELS.available()
+        and (kv_cache_layer.dtype == torch.bfloat16 or _vector_path_takes(head_dim))
     )
+
+
+def _vector_path_takes(head_dim: int) -> bool:
+    lanes = vector_lanes()
+    return lanes > 0 and head_dim % lanes == 0
 
 
 def paged_attention_decode(

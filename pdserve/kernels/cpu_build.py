@@ -90,6 +90,9 @@ class CLibrary:
 
     def load(self) -> ctypes.CDLL:
         """The loaded library (built on first call); raises ``RuntimeError`` when it cannot be."""
+        library = self._library
+        if library is not None:  # the per-call path of every kernel: no lock once loaded
+            return library
         with self._lock:
             if self._library is None and self._load_error is None:
                 cc = compiler()

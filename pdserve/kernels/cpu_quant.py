@@ -54,7 +54,8 @@ def available() -> bool:
     return KERNELS.available()
 
 
-def _check(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:
+def check_blocks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:
+    """Raise ``ValueError`` unless ``blocks`` are contiguous uint8 rows of ``in_features`` weights."""
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("weight blocks must be a contiguous uint8 tensor")
     if in_features % BLOCK_SIZE:
@@ -63,9 +64,15 @@ def _check(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:
         raise ValueError(f"{kind.name} rows of {blocks.shape[-1]} bytes do not hold {in_features} weights")
 
 
-def quant_matmul(x: torch.Tensor, kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``x [M, K] @ W.T`` for ``W`` held as ``blocks [N, K / 32 * block_bytes]``; same dtype as x."""
-    _check(kind, blocks, in_features)
+def quant_matmul(
+    x: torch.Tensor, kind: BlockKind, blocks: torch.Tensor, in_features: int, checked: bool = False
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for ``W`` held as ``blocks [N, K / 32 * block_bytes]``; same dtype as x.
+
+    ``checked``: the blocks were validated when their holder was made (``QuantLinear``), so the
+    per-step call skips it (at one row the Python around the kernel is a fifth of its time)."""
+    if not checked:
+        check_blocks(kind, blocks, in_features)
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"activations must be float32 or bfloat16, not {x.dtype}")
     x = x.contiguous()
@@ -95,7 +102,7 @@ def quant_dequantize(
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``W[rows]`` (every row when ``rows`` is None) decoded to ``dtype`` (float32 or bfloat16)."""
-    _check(kind, blocks, in_features)
+    check_blocks(kind, blocks, in_features)
     index = None if rows is None else rows.to(torch.int64).contiguous()
     count = blocks.shape[0] if index is None else index.numel()
     if index is not None and count and (int(index.min()) < 0 or int(index.max()) >= blocks.shape[0]):
@@ -119,7 +126,7 @@ def quant_dequantize(
 
 def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``."""
-    _check(kind, blocks, in_features)
+    check_blocks(kind, blocks, in_features)
     rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
     if kind is BlockKind.Q4_1:
         nibbles = blocks[:, : in_features // 2].reshape(rows, num_blocks, 16).to(torch.int32)

@@ -87,10 +87,13 @@ def test_greedy_tokens_through_grpc_and_http_equal_the_colocated_llm(cluster: Co
 
 def test_the_engines_build_and_load_their_c_kernels_on_a_read_only_root(cluster: ComposeCluster):
     """The kernels' C sources ship in the image and compile into /tmp (the tmpfs) as the user."""
-    probe = "from pdserve.kernels import cpu_attention, cpu_quant; print(cpu_attention.KERNELS.available(), cpu_quant.available())"
+    probe = (
+        "from pdserve.kernels import cpu_attention, cpu_layer_ops, cpu_quant; "
+        "print(cpu_attention.KERNELS.available(), cpu_quant.available(), cpu_layer_ops.KERNELS.available())"
+    )
     for service in ENGINES[:1] + ["router"]:
         checked = podman("exec", cluster.container(service), "python", "-c", probe, timeout=180)
-        assert checked.stdout.split() == ["True", "True"], (service, checked.stdout, checked.stderr)
+        assert checked.stdout.split() == ["True", "True", "True"], (service, checked.stdout, checked.stderr)
 
 
 def test_the_router_refuses_a_wrong_api_key(cluster: ComposeCluster):

@@ -33,13 +33,16 @@ def paged_attention(
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    kv_written: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Write this step's K/V into the cache, then attend: decodes batched, prefills causally.
+    """Write this step's K/V into the cache (unless ``kv_written``: the caller already did, as
+    ``cpu_layer_ops.rope_and_cache`` does), then attend: decodes batched, prefills causally.
 
     The new K/V also go to the prefill op, so a chunk with no cached prefix can attend over them
     directly instead of reading them back from the cache (see ``causal_self_attention_ref``).
     """
-    kernels.reshape_and_cache(key, value, kv_cache_layer, meta.slot_mapping)
+    if not kv_written:
+        kernels.reshape_and_cache(key, value, kv_cache_layer, meta.slot_mapping)
     num_decode = meta.num_decode_tokens
     if num_decode == query.shape[0]:
         return kernels.paged_attention_decode(

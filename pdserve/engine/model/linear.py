@@ -34,11 +34,15 @@ PACK_BATCH_HINT = 8
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """True where oneDNN-packed bf16 linears are available (a CPU torch built with mkldnn)."""
+    """True where oneDNN-packed bf16 linears are available: a CPU torch built with mkldnn, on
+    a CPU whose instructions oneDNN's bf16 path needs (AVX512BW/VL/DQ or AVX-NE-CONVERT). An
+    AVX2-only CPU (``--dtype bfloat16`` asked for explicitly) keeps ``F.linear``: oneDNN refuses
+    to reorder the weight there."""
     return (
         dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

@@ -22,6 +22,7 @@ from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.linear import lm_head_logits
 from pdserve.engine.model.quant_linear import QuantLinear, install_blocks
+from pdserve.kernels import cpu_layer_ops
 from pdserve.kernels.cpu_quant import BlockKind
 
 
@@ -63,6 +64,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and cpu_layer_ops.serves(x):
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)[1]  # one C call (layer_ops.c)
         if x.dtype == torch.float32:
             # One fused op, bit-identical to the float32 formula below.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -70,6 +73,14 @@ class RMSNorm(nn.Module):
         # output. The fp32 part is the fused op above (one call instead of five per norm).
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, self(x + delta))``: a residual add and the norm after it, one C call
+        where ``cpu_layer_ops`` serves (vLLM's fused_add_rms_norm), else the two torch ops."""
+        if x.dtype == delta.dtype == self.weight.dtype and cpu_layer_ops.serves(x):
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps, delta=delta)
+        summed = x + delta
+        return summed, self(summed)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -105,11 +116,17 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
-        # RoPE on q and k heads at once; q/k/v go to the kernels as strided views (both the torch
-        # references and the Triton kernels take strides), saving a copy each.
-        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin_signed)
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale)
+        if cpu_layer_ops.serves(qkv) and kv_cache_layer.device.type == "cpu" and cos.dtype == qkv.dtype:
+            # RoPE in place and the K/V write in one C call; q/k/v as views of the projection.
+            cpu_layer_ops.rope_and_cache(qkv, heads, cos, sin_signed, kv_cache_layer, meta.slot_mapping)
+            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale, kv_written=True)
+        else:
+            # RoPE on q and k heads at once; q/k/v go to the kernels as strided views (both the
+            # torch references and the Triton kernels take strides), saving a copy each.
+            qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin_signed)
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
 
 
@@ -142,8 +159,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin_signed, kv_cache_layer, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin_signed, kv_cache_layer, meta)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -60,17 +60,19 @@ class QuantLinear(nn.Module):
         super().__init__()
         if blocks.shape[1] != in_features // BLOCK_SIZE * kind.block_bytes:
             raise ValueError(f"{kind.name} blocks {tuple(blocks.shape)} do not hold rows of {in_features}")
+        blocks = blocks.contiguous()
+        cpu_quant.check_blocks(kind, blocks, in_features)  # once: forward passes checked=True
         self.kind = kind
         self.in_features = in_features
         self.out_features = blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = cpu_quant.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.use_kernel and rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = cpu_quant.quant_matmul(rows, self.kind, self.blocks, self.in_features)
+            out = cpu_quant.quant_matmul(rows, self.kind, self.blocks, self.in_features, checked=True)
             if self.bias is not None:
                 out = out + self.bias
         else:

@@ -17,8 +17,9 @@
  * (every third 128 bytes of a block, three times over) made the same attention 1.8x slower in
  * the engine's cache, whose blocks lie a whole block of every layer apart. With AVX512-BF16 and
  * a bf16 query and cache, the scores take one vdpbf16ps per 32 elements of the bf16 values as
- * they are, and 16 positions' sums are reduced together (dots_bf16). Elsewhere, a
- * portable loop (one task per sequence and KV head, `omp simd` reductions). Tasks are split
+ * they are, and 16 positions' sums are reduced together (dots_bf16). With AVX2 and FMA but no
+ * AVX-512 (AMD Zen 2/3, older Intel), the same passes with 8-wide vectors (decode_seq_avx2), for
+ * head_dim a multiple of 8. Elsewhere, a portable loop (one task per sequence and KV head, `omp simd` reductions). Tasks are split
  * between OpenMP threads.
  *
  * Cache layout (pdserve/engine/kv_layout.py): a layer's view [num_blocks, 2 (K, V), block_size,
@@ -30,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +77,24 @@ static inline void load_row(const void *cache, int is_bf16, int64_t offset, int 
     }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* Ask for `bytes` from `from` on. The next block is anywhere in the cache (the engine's blocks
+ * lie a block of every layer apart), where the hardware prefetcher cannot guess it: asked for a
+ * block's work ahead, it is on its way before it is read (8 sequences x 257 tokens, 30 layers
+ * of the engine's cache, one core: 7.0-8.2 ms with, 8.2-8.5 ms without, 4.3 ms for the same
+ * work on a cache that fits in L3). */
+static inline void prefetch_bytes(const char *from, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
+}
+
+/* Prefetch the half (K: extra 0, V: extra half_stride) of the block after `block`, if any. */
+static inline void prefetch_next_half(const void *kv, int64_t elem, const int32_t *table, int64_t block,
+                                      int64_t num_blocks, int64_t block_stride, int64_t extra, int64_t half_stride) {
+    if (block + 1 < num_blocks)
+        prefetch_bytes((const char *)kv + ((int64_t)table[block + 1] * block_stride + extra) * elem, half_stride * elem);
+}
+#endif
+
 #if defined(__AVX512F__)
 #define MAX_VECS (MAX_HEAD_DIM / 16)
 #define MAX_SPECIAL_SUMS 24 /* registers the special cases of values_of_block keep their sums in */
@@ -97,22 +116,6 @@ static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
-}
-
-/* Ask for `bytes` from `from` on. The next block is anywhere in the cache (the engine's blocks
- * lie a block of every layer apart), where the hardware prefetcher cannot guess it: asked for a
- * block's work ahead, it is on its way before it is read (8 sequences x 257 tokens, 30 layers
- * of the engine's cache, one core: 7.0-8.2 ms with, 8.2-8.5 ms without, 4.3 ms for the same
- * work on a cache that fits in L3). */
-static inline void prefetch_bytes(const char *from, int64_t bytes) {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(from + line, _MM_HINT_T0);
-}
-
-/* Prefetch the half (K: extra 0, V: extra half_stride) of the block after `block`, if any. */
-static inline void prefetch_next_half(const void *kv, int64_t elem, const int32_t *table, int64_t block,
-                                      int64_t num_blocks, int64_t block_stride, int64_t extra, int64_t half_stride) {
-    if (block + 1 < num_blocks)
-        prefetch_bytes((const char *)kv + ((int64_t)table[block + 1] * block_stride + extra) * elem, half_stride * elem);
 }
 
 /* The first min(n, 16) lanes. */
@@ -300,6 +303,149 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_ROUTE 1
+#define MAX_VECS8 (MAX_HEAD_DIM / 8)
+
+/* exp(x) for x <= 0, 8 at a time: the same Cephes expf as exp_nonpositive (AVX-512), with 2^n
+ * built in the exponent field (n >= -126 after the clamp, so it stays a normal number). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One position's K or V row of nvec * 8 values as fp32 vectors. */
+static inline __attribute__((always_inline)) void load_vecs8(const void *cache, int is_bf16, int64_t offset, int nvec,
+                                                             __m256 *v) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)cache + offset;
+        for (int i = 0; i < nvec; i++)
+            v[i] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * i))), 16));
+    } else {
+        const float *src = (const float *)cache + offset;
+        for (int i = 0; i < nvec; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
+    }
+}
+
+/* acc += sum over a block's positions o of p[o] * v[o], for one query head: with nvec a constant
+ * (head_dim 32, 64 or 128) the sums stay in registers over the block. */
+static inline __attribute__((always_inline)) void values_of_block8_as(const void *kv, int kv_is_bf16, int64_t base,
+                                                                     int64_t positions, int64_t token_stride,
+                                                                     const float *p, float *acc, const int nvec) {
+    __m256 sums[MAX_VECS8], row[MAX_VECS8];
+    for (int i = 0; i < nvec; i++) sums[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int64_t o = 0; o < positions; o++) {
+        load_vecs8(kv, kv_is_bf16, base + o * token_stride, nvec, row);
+        const __m256 weight = _mm256_set1_ps(p[o]);
+        for (int i = 0; i < nvec; i++) sums[i] = _mm256_fmadd_ps(weight, row[i], sums[i]);
+    }
+    for (int i = 0; i < nvec; i++) _mm256_storeu_ps(acc + 8 * i, sums[i]);
+}
+
+static void values_of_block8(const void *kv, int kv_is_bf16, int64_t base, int64_t positions, int64_t token_stride,
+                             const float *p, float *acc, int nvec) {
+    switch (nvec) {
+        case 4: values_of_block8_as(kv, kv_is_bf16, base, positions, token_stride, p, acc, 4); return;
+        case 8: values_of_block8_as(kv, kv_is_bf16, base, positions, token_stride, p, acc, 8); return;
+        case 16: values_of_block8_as(kv, kv_is_bf16, base, positions, token_stride, p, acc, 16); return;
+        default: values_of_block8_as(kv, kv_is_bf16, base, positions, token_stride, p, acc, nvec); return;
+    }
+}
+
+/* The task of one sequence, every head, with head_dim a multiple of 8: decode_seq_avx512's
+ * passes with 8-wide vectors (positions read in cache order, each row once for every query head
+ * that shares it; probabilities; values block by block). */
+static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */, int64_t num_heads,
+                            int64_t num_kv_heads, int nvec, const void *kv, int kv_is_bf16, const int32_t *table,
+                            int64_t len, int64_t block_size, int64_t block_stride, int64_t half_stride,
+                            int64_t token_stride, float *scores /* [num_heads][len] */,
+                            float *acc /* [num_heads][head_dim] */) {
+    const int64_t head_dim = (int64_t)nvec * 8, group = num_heads / num_kv_heads;
+    float maxes[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
+    __m256 row[MAX_VECS8];
+    const int64_t num_blocks = (len + block_size - 1) / block_size, elem = kv_is_bf16 ? 2 : 4;
+    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
+        const int64_t positions = min64(len - first, block_size), base = (int64_t)table[block] * block_stride;
+        prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, 0, half_stride);
+        for (int64_t o = 0; o < positions; o++) {
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                load_vecs8(kv, kv_is_bf16, base + o * token_stride + kvh * head_dim, nvec, row);
+                for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+                    const float *qh = qf + h * head_dim;
+                    __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(qh), row[0]);
+                    for (int i = 1; i < nvec; i++) sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), row[i], sum);
+                    const float dot = hsum8(sum);
+                    scores[h * len + first + o] = dot;
+                    if (dot > maxes[h]) maxes[h] = dot;
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *sh = scores + h * len;
+        const __m256 max = _mm256_set1_ps(maxes[h]);
+        __m256 sums = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), max));
+            _mm256_storeu_ps(sh + t, e);
+            sums = _mm256_add_ps(sums, e);
+        }
+        float sum = hsum8(sums);
+        for (; t < len; t++) { /* the tail through the same polynomial, one lane used */
+            const float e = _mm256_cvtss_f32(exp_nonpositive8(_mm256_set1_ps(sh[t] - maxes[h])));
+            sh[t] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+        for (t = 0; t < len; t++) sh[t] *= inv;
+        memset(acc + h * head_dim, 0, (size_t)head_dim * sizeof(float));
+    }
+    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
+        const int64_t positions = min64(len - first, block_size);
+        const int64_t base = (int64_t)table[block] * block_stride + half_stride;
+        prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, half_stride, half_stride);
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+            for (int64_t g = 0; g < group; g++) /* a KV head's rows of a block stay in L1 between heads */
+                values_of_block8(kv, kv_is_bf16, base + kvh * head_dim, positions, token_stride,
+                                 scores + (kvh * group + g) * len + first, acc + (kvh * group + g) * head_dim, nvec);
+    }
+}
+#endif
+
+/* The vector width of the sequence-at-a-time path (16: AVX-512, 8: AVX2), 0 where only the
+ * portable loop was built; head_dim must be a multiple of it. */
+int pd_paged_attention_vector_lanes(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(AVX2_ROUTE)
+    return 8;
+#else
+    return 0;
+#endif
+}
+
 /*
  * q:   [num_seqs, num_heads, head_dim]; out: the same shape and dtype (q_is_bf16).
  * kv:  the layer's cache (kv_is_bf16), laid out as above within each block; block_stride: the
@@ -317,8 +463,13 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;       /* one position, all KV heads */
     const int64_t half_stride = block_size * token_stride;      /* a block's K (or V) */
+#if defined(__AVX512F__) || defined(AVX2_ROUTE)
 #if defined(__AVX512F__)
-    if (head_dim % 16 == 0) {
+    const int64_t lanes = 16;
+#else
+    const int64_t lanes = 8;
+#endif
+    if (head_dim % lanes == 0) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && num_seqs > 1)
         for (int64_t s = 0; s < num_seqs; s++) {
             float *mine = scratch + (int64_t)omp_get_thread_num() * (max_len + 2 * head_dim) * num_heads;
@@ -327,9 +478,15 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
                 load_row(q, q_is_bf16, (s * num_heads + h) * head_dim, (int)head_dim, qs + h * head_dim);
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] *= scale;
             }
+#if defined(__AVX512F__)
             decode_seq_avx512(qs, q_is_bf16 ? (const uint16_t *)q + s * num_heads * head_dim : NULL, scale, num_heads, num_kv_heads, (int)(head_dim / 16), kv, kv_is_bf16,
                               block_tables + s * max_blocks, seq_lens[s], block_size, block_stride, half_stride,
                               token_stride, mine, accs);
+#else
+            decode_seq_avx2(qs, num_heads, num_kv_heads, (int)(head_dim / 8), kv, kv_is_bf16,
+                            block_tables + s * max_blocks, seq_lens[s], block_size, block_stride, half_stride,
+                            token_stride, mine, accs);
+#endif
             for (int64_t h = 0; h < num_heads; h++) {
                 const int64_t ooff = (s * num_heads + h) * head_dim;
                 if (q_is_bf16) {
