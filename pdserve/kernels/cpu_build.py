@@ -48,10 +48,13 @@ def cache_dir() -> Path:
 
 
 def build(source: Path, cc: str) -> Path:
-    """Compile ``source`` once per (source, compiler, CPU) and return the shared library's path."""
+    """Compile ``source`` once per (source and the headers beside it, compiler, CPU) and return the
+    shared library's path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
         source.read_bytes()
+        + headers
         + version.encode()
         + " ".join(sorted(cpu_flags())).encode()
         + " ".join(CFLAGS + LIBS).encode()
