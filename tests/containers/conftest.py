@@ -51,6 +51,7 @@ def image() -> Image:
     except podman_host.Unavailable as why:
         pytest.skip(f"no container runtime: {why}")
     podman_host.ensure_ulimits()
+    podman_host.ensure_runtime()
     base = podman_host.ensure_base_image()
     build_s = podman_host.build_image(IMAGE, base)
     size = podman_host.image_size_bytes(IMAGE)

@@ -8,6 +8,8 @@ here, once per machine where it can be kept:
 - podman, debootstrap and docker-compose, from Debian (as root, where ``apt-get`` exists);
 - default ulimits that runc may set in this sandbox: the host's own are refused ("error setting
   rlimit type 7: operation not permitted");
+- runc as the OCI runtime where the host's cgroups are hybrid (v1 controllers and a cgroup2
+  mount), which crun refuses;
 - a base image, since no registry is reachable: Debian bookworm (Python 3.11 as ``python3``) made
   by debootstrap, imported, and kept as a tarball under ``~/.cache/pdserve/containers``;
 - the health-check timer. Podman schedules each container's ``HEALTHCHECK`` with a systemd timer
@@ -95,6 +97,32 @@ def ensure_ulimits() -> None:
         text += ("\n" if text else "") + ULIMITS
     CONTAINERS_CONF.write_text(text)
     log.info("%s: default ulimits set (runc refuses to raise the host's here)", CONTAINERS_CONF)
+
+
+def hybrid_cgroups(mounts: Path = Path("/proc/self/mounts")) -> bool:
+    """cgroup v1 controllers with a cgroup2 hierarchy mounted beside them (``/sys/fs/cgroup/unified``)."""
+    kinds = {line.split()[2] for line in mounts.read_text().splitlines() if len(line.split()) > 2}
+    return {"cgroup", "cgroup2"} <= kinds
+
+
+def ensure_runtime() -> None:
+    """runc as podman's OCI runtime on a host with hybrid cgroups, unless containers.conf names one.
+
+    Podman picks crun first, and crun refuses such a host: "cgroups in hybrid mode not supported,
+    drop all controllers from cgroupv2" (an AMD EPYC machine of this project's, 2026-11-26); runc,
+    which Debian's podman also installs, runs there."""
+    if os.geteuid() != 0 or not hybrid_cgroups() or shutil.which("runc") is None:
+        return
+    text = CONTAINERS_CONF.read_text() if CONTAINERS_CONF.exists() else ""
+    if "runtime =" in text or "runtime=" in text:
+        return
+    CONTAINERS_CONF.parent.mkdir(parents=True, exist_ok=True)
+    if "[engine]" in text:
+        text = text.replace("[engine]", '[engine]\nruntime = "runc"', 1)
+    else:
+        text += ("\n" if text else "") + '[engine]\nruntime = "runc"\n'
+    CONTAINERS_CONF.write_text(text)
+    log.info("%s: runtime runc (crun refuses this host's hybrid cgroups)", CONTAINERS_CONF)
 
 
 def ensure_base_image() -> str:
