@@ -1,8 +1,9 @@
 """Paged-KV-cache kernels behind one dispatcher.
 
 Every op has a torch reference (``reference.py``, what CPU runs) and a Triton kernel
-(``triton_ops.py``, what CUDA runs); decode attention over a bf16 cache also has a C kernel for
-the CPU (``cpu_attention.py``). The runner only calls the functions below, which pick the
+(``triton_ops.py``, what CUDA runs); decode attention also has a C kernel for the CPU
+(``cpu_attention.py``), and so do the layer's RMSNorm, RoPE and KV write (``cpu_layer_ops.py``,
+called by the model). The runner only calls the functions below, which pick the
 implementation from the tensors' device. ``PDSERVE_KERNELS=triton`` forces Triton (used with
 ``TRITON_INTERPRET=1`` to run the Triton path on CPU in tests); ``PDSERVE_KERNELS=torch``
 forces the reference.
@@ -20,9 +21,15 @@ from pdserve.kernels import cpu_attention, reference
 _BACKEND_ENV = "PDSERVE_KERNELS"
 
 
+def forced_backend() -> str:
+    """``PDSERVE_KERNELS`` lower-cased: ``"triton"``, ``"torch"``, or ``""`` (pick by device).
+    Read at every call: tests switch it within one process."""
+    return os.environ.get(_BACKEND_ENV, "").lower()
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when this tensor's op should run the Triton kernel."""
-    forced = os.environ.get(_BACKEND_ENV, "").lower()
+    forced = forced_backend()
     if forced == "triton":
         return True
     if forced == "torch":
@@ -50,11 +57,12 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Triton on CUDA; on the CPU the C kernel for a bf16 cache (``cpu_attention``), else the
-    torch reference (fp32 caches, ``PDSERVE_KERNELS=torch``, or no C compiler)."""
+    """Triton on CUDA; on the CPU the C kernel where it serves the call (``cpu_attention.serves``:
+    bf16 caches, fp32 ones its vector path takes), else the torch reference (``PDSERVE_KERNELS=torch``,
+    no C compiler, or an fp32 head size without a vector path)."""
     if use_triton(kv_cache_layer):
         impl = _triton().paged_attention_decode
-    elif os.environ.get(_BACKEND_ENV, "").lower() != "torch" and cpu_attention.serves(query, kv_cache_layer):
+    elif forced_backend() != "torch" and cpu_attention.serves(query, kv_cache_layer):
         impl = cpu_attention.paged_attention_decode
     else:
         impl = reference.paged_attention_decode_ref

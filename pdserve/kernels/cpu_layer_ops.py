@@ -16,10 +16,10 @@ ones, ``serves`` is False and the model keeps its torch ops; ``PDSERVE_KERNELS``
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
+from pdserve import kernels
 from pdserve.kernels.cpu_build import CLibrary
 
 MAX_DIM = 16384  # the C side's MAX_DIM: a hidden size or head_dim it takes
@@ -44,7 +44,7 @@ def serves(x: torch.Tensor) -> bool:
         and x.dtype in (torch.float32, torch.bfloat16)
         and x.is_contiguous()
         and x.shape[-1] <= MAX_DIM
-        and os.environ.get("PDSERVE_KERNELS", "").lower() not in ("torch", "triton")
+        and kernels.forced_backend() not in ("torch", "triton")
         and KERNELS.available()
     )
 

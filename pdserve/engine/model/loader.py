@@ -152,10 +152,10 @@ def resolve_quantization(name: str, path: str | None, dtype: str, kv_role: str =
 
     A GGUF file's blocks are the numbers its dense copy would hold (the same perplexity, to the
     last digit, tests/test_quality_quant.py), in 5-8.5 bits a weight instead of 16 or 32, and a
-    decode step reads every weight once: measured on one core, SmolLM2-135M's step at one
-    sequence took 47-62 ms from blocks against 85 ms dense fp32 on an AVX2 CPU, and 17 ms
-    against 32 ms dense bf16 on an AVX512-BF16 one; at 8 sequences 117 vs 288 ms (AVX2) and 49
-    vs 47 ms (bf16). vLLM serves a GGUF quantized too. The exception is a prefill engine
+    decode step reads every weight once: measured on one core (``pdserve bench step``),
+    SmolLM2-135M's step at one sequence took 37 ms from blocks against 68 ms dense fp32 on an
+    AVX2 CPU, and 17 ms against 32 ms dense bf16 on an AVX512-BF16 one; at 8 sequences 90 vs
+    212 ms (AVX2) and 49 vs 47 ms (bf16). vLLM serves a GGUF quantized too. The exception is a prefill engine
     (``kv_role`` producer) computing in bf16: its chunks run dense GEMMs, which oneDNN's bf16
     ones outran by decoding the blocks first (TTFT 461 vs 539 ms at 256 tokens); in fp32 on
     AVX2 the decode cost is small next to the GEMM (TTFT 1229 vs 1293 ms, blocks first).

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "avx2.h"
 #include "bf16.h"
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -289,8 +290,7 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define AVX2_ROUTE 1
+#if defined(AVX2_ROUTE)
 #define MAX_VECS8 (MAX_HEAD_DIM / 8)
 
 /* exp(x) for x <= 0, 8 at a time: the same Cephes expf as exp_nonpositive (AVX-512), with 2^n
@@ -310,13 +310,6 @@ static inline __m256 exp_nonpositive8(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* One position's K or V row of nvec * 8 values as fp32 vectors. */
@@ -381,7 +374,7 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
                     const float *qh = qf + h * head_dim;
                     __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(qh), row[0]);
                     for (int i = 1; i < nvec; i++) sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), row[i], sum);
-                    const float dot = hsum8(sum);
+                    const float dot = hsum_avx2(sum);
                     scores[h * len + first + o] = dot;
                     if (dot > maxes[h]) maxes[h] = dot;
                 }
@@ -398,7 +391,7 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
             _mm256_storeu_ps(sh + t, e);
             sums = _mm256_add_ps(sums, e);
         }
-        float sum = hsum8(sums);
+        float sum = hsum_avx2(sums);
         for (; t < len; t++) { /* the tail through the same polynomial, one lane used */
             const float e = _mm256_cvtss_f32(exp_nonpositive8(_mm256_set1_ps(sh[t] - maxes[h])));
             sh[t] = e;

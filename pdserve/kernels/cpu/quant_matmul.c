@@ -38,6 +38,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "avx2.h"
 #include "bf16.h"
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -331,12 +332,11 @@ static void lut_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
 }
 #endif
 
-#if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__))
+#if !defined(AVX2_ROUTE)
 DEFINE_ROWS_DISPATCH(row_dots_dispatch, row_dots, float)
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define AVX2_ROUTE 1
+#if defined(AVX2_ROUTE)
 /* A block's 32 q values as 4 x 8 fp32 (weights 0-7, 8-15, 16-23, 24-31): Q4_1's nibbles (low
  * nibbles are weights 0-15, high ones 16-31), or Q8_0's int8s. Exact: small integers. */
 static inline __attribute__((always_inline)) void q_values_avx2(int kind, const uint8_t *qs, __m256 q[4]) {
@@ -355,13 +355,6 @@ static inline __attribute__((always_inline)) void q_values_avx2(int kind, const 
         q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
     }
-}
-
-static inline float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* One block of one output row against one row of x: acc += d * ((q0 x0 + q1 x1) + (q2 x2 + q3 x3)).
