@@ -29,3 +29,10 @@ def tiny_llm(tiny_model_dir):
     from pdserve import LLM
 
     return LLM(tiny_model_dir, max_model_len=1024, num_blocks=128, max_num_batched_tokens=1024)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fast tests first, then the ones marked ``slow`` (each group in file order): a broken
+    change fails in the first minutes of ``make test``, not after the bundled-model and
+    whole-cluster runs. Under xdist's ``--dist loadfile`` a file goes where its first test sorts."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

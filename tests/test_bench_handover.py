@@ -16,6 +16,8 @@ from pdserve.bench import handover
 from pdserve.engine.model.tiny import write_tiny_model
 from tests.process_helpers import processes_mentioning
 
+pytestmark = pytest.mark.slow  # a P/D cluster and a colocated engine, several phases: about a minute
+
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):

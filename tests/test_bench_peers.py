@@ -242,7 +242,7 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
     argv = [
         "bench", "peers", "--setups", "colocated", "--model", model, "--repeats", "2",
         "--input-len", "32", "--output-len", "8", "--num-prompts-c1", "2", "--num-prompts-c8", "0",
-        "--rates", "8", "--num-prompts-rate", "4", "--warmup-prompts", "1",
+        "--rates", "8", "--num-prompts-rate", "4", "--warmup-prompts", "0",  # 4 client runs, not 6
         "--engine-args", "--num-blocks 128 --max-model-len 256",
         "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip

@@ -16,22 +16,14 @@ from pdserve.bench import throughput
 from pdserve.bench.static_batching import length_sorted_batches
 from pdserve.bench.workload import MIN_LEN, build_workload, read_lengths, sharegpt_like_lengths
 from pdserve.engine.model.tiny import write_tiny_model
+from tests.process_helpers import children_of
 
 NUM_REQUESTS = 6
 MAX_PROMPT, MAX_OUTPUT = 64, 24
 
 
 def _child_pids() -> set[int]:
-    children = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == os.getpid():
-            children.add(int(pid))
-    return children
+    return set(children_of(os.getpid()))
 
 
 @pytest.fixture(scope="module")

@@ -228,6 +228,7 @@ def test_a_router_reports_not_serving_from_its_first_answer_until_a_decode_engin
         terminate_all([router], grace_s=10.0)
 
 
+@pytest.mark.slow
 def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
     tiny_model_dir, tiny_llm, tmp_path
 ):

@@ -155,6 +155,7 @@ def test_sampling_parameters_give_the_colocated_tokens_through_prefill_and_decod
     _assert_all_idle(client)
 
 
+@pytest.mark.slow
 def test_2p2d_greedy_matches_colocated_and_spreads_over_engines(tiny_model_dir, prompts, expected):
     with (
         LocalCluster(
@@ -426,6 +427,7 @@ def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, tiny_ll
             cluster.check()
 
 
+@pytest.mark.slow
 def test_decode_engine_killed_mid_stream_is_resumed_on_the_other_with_the_same_tokens(
     tiny_model_dir, tiny_llm
 ):

@@ -124,6 +124,7 @@ def test_prefill_with_int8_weights_hands_kv_to_a_dense_decode_engine(tiny_model_
     assert first.new_token_ids + rest.new_token_ids == expected
 
 
+@pytest.mark.slow
 def test_cluster_serves_int8_weights_and_reports_them(tiny_model_dir):
     """``--quantization int8`` on every engine of a real cluster: the router's greedy tokens are
     the colocated int8 model's, Info and ``/metrics`` report the weights, and each side of the

@@ -11,8 +11,11 @@ per policy (``round_robin``, ``prefix``, ``kv``), each on fresh processes:
   (``--question-len`` tokens), sent by ``--concurrency`` clients in a closed loop; every
   policy gets the same requests in the same order.
 
-The engines' caches are small (``--num-blocks``), so not every tenant fits on every engine:
-what an engine evicted matters. Per policy and repeat it reports, from the engines' own counts:
+The engines' caches are sized (``--num-blocks``) so that the tenants' system prompts fit in the
+pool but not on one engine (the defaults: 4 tenants of 20 blocks, 56 blocks an engine, so about
+two tenants each): where a tenant is placed, and whether the router learns that its blocks were
+evicted, decides the hit rate. With ``--tenants 8 --num-blocks 96`` every placement churns
+(4 tenants an engine need about 100 blocks) and the policies tie within noise on hit rate. Per policy and repeat it reports, from the engines' own counts:
 
 - prefill prefix-hit rate: prompt tokens the prefill engine found in its cache / prompt tokens;
 - blocks pulled per request: KV blocks the decode engine pulled from prefill (the ones its own
@@ -54,9 +57,16 @@ class Workload:
     question_len: int
     requests: int
     seed: int
+    phases: int = 1
+    active_tenants: int = 0  # tenants asking in each phase (0: all of them)
 
     def prompts(self) -> list[tuple[int, list[int]]]:
-        """[(tenant, prompt token ids)]: the same list for every policy of a repeat."""
+        """[(tenant, prompt token ids)]: the same list for every policy of a repeat.
+
+        The requests come in ``phases`` consecutive stretches; in each, only a seeded draw of
+        ``active_tenants`` tenants asks (traffic shifting between tenants over a day). A tenant
+        idle for a phase is evicted, so where it was sent before says little about where its
+        blocks are when it comes back."""
         rng = random.Random(self.seed)
 
         def tokens(n: int) -> list[int]:
@@ -64,9 +74,17 @@ class Workload:
 
         systems = [tokens(self.system_len) for _ in range(self.tenants)]
         users = [[tokens(self.user_len) for _ in range(self.users)] for _ in range(self.tenants)]
+        active = self.active_tenants or self.tenants
+        phase_tenants = [
+            sorted(rng.sample(range(self.tenants), active))
+            if active < self.tenants
+            else list(range(self.tenants))
+            for _ in range(self.phases)
+        ]
         out = []
-        for _ in range(self.requests):
-            tenant = rng.randrange(self.tenants)
+        for i in range(self.requests):
+            tenants = phase_tenants[i * self.phases // self.requests]
+            tenant = tenants[rng.randrange(len(tenants))]
             user = rng.randrange(self.users)
             out.append((tenant, systems[tenant] + users[tenant][user] + tokens(self.question_len)))
         return out
@@ -140,7 +158,24 @@ def run_policy(
         "expectation_misses": mismatched,
         "prefill_engines": _share(metrics, "prefill_engine"),
         "decode_engines": _share(metrics, "decode_engine"),
+        "tenant_homes": tenant_homes(
+            [(prompts[i][0], m["prefill_engine"]) for i, m in enumerate(results) if m is not None]
+        ),
     }
+
+
+def tenant_homes(served: list[tuple[int, str]]) -> list[int]:
+    """How many tenants each prefill engine is home to (serves most of their requests), most
+    first: [2, 2] is 4 tenants split evenly, [3, 1] a split that overloads one engine's cache."""
+    by_tenant: dict[int, dict[str, int]] = {}
+    for tenant, engine in served:
+        counts = by_tenant.setdefault(tenant, {})
+        counts[engine] = counts.get(engine, 0) + 1
+    homes: dict[str, int] = {}
+    for counts in by_tenant.values():
+        home = max(sorted(counts), key=lambda engine: counts[engine])
+        homes[home] = homes.get(home, 0) + 1
+    return sorted(homes.values(), reverse=True)
 
 
 def _share(metrics: list[dict[str, Any]], key: str) -> dict[str, int]:
@@ -197,10 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system-len", type=int, default=320, help="tokens of each tenant's system prompt")
     parser.add_argument("--user-len", type=int, default=48, help="tokens of each user's own context")
     parser.add_argument("--question-len", type=int, default=24, help="fresh tokens per request")
+    parser.add_argument(
+        "--phases", type=int, default=4, help="stretches of requests, each with its own tenants"
+    )
+    parser.add_argument("--active-tenants", type=int, default=4, help="tenants asking per phase (0: all)")
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("--num-blocks", type=int, default=96, help="KV blocks per engine (16 tokens each)")
+    parser.add_argument("--num-blocks", type=int, default=56, help="KV blocks per engine (16 tokens each)")
     parser.add_argument("--kv-load-weight", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help=f"default: {default_path('routing', 'json')}")
@@ -232,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         workload = Workload(
             args.tenants, args.users, args.system_len, args.user_len, args.question_len, args.requests,
-            seed=args.seed + repeat,
+            seed=args.seed + repeat, phases=args.phases, active_tenants=args.active_tenants,
         )  # fmt: skip
         for policy in policies:
             print(f"repeat {repeat}: {policy} ...", flush=True)
@@ -247,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(
             f"repeat {row['repeat']} {row['policy']}: prefill {row['prefill_engines']} decode {row['decode_engines']}"
+            f" tenants homed per prefill engine {row['tenant_homes']}"
         )
     result = verdict(rows)
     for claim, holds in result.items():

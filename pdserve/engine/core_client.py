@@ -67,6 +67,7 @@ def spawn_core(
             "--input", input_addr,
             "--output", output_addr,
             "--log-level", log_level,
+            "--parent-pid", str(os.getpid()),
         ],
         env={**os.environ, **(env or {})},
         stdin=subprocess.PIPE,

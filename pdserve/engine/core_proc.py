@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="the front's pid (default: this process's parent now)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -132,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     # The KV transfer thread must get the GIL promptly while a step runs Python between its
     # torch ops: a 5 ms default switch interval was up to 5 ms of queueing on every pull.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    parent_pid = os.getppid()  # the front that spawned this core (see CoreServer.receive)
+    # The front that spawned this core (see CoreServer.receive), as the front said: the parent
+    # asked for here, after this module's imports (seconds of torch), is init's pid already when
+    # the front died meanwhile, and an idle core then outlived it, holding its model and cache.
+    parent_pid = os.getppid() if args.parent_pid is None else args.parent_pid
+    if os.getppid() != parent_pid:
+        logger.warning("front process %d is gone before this core started; exiting", parent_pid)
+        return 0
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     try:
