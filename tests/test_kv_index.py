@@ -121,7 +121,7 @@ def test_kv_policy_weighs_matched_blocks_against_load_and_falls_back_to_prefix_u
 
 
 def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
-    from pdserve.bench.routing import Workload, tenant_homes, verdict
+    from pdserve.bench.routing import Workload, main, tenant_homes, verdict
 
     workload = Workload(tenants=3, users=2, system_len=32, user_len=8, question_len=4, requests=10, seed=1)
     prompts = workload.prompts()
@@ -138,6 +138,8 @@ def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
     assert all(len(tenants) <= 2 for tenants in asked) and len(set().union(*asked)) > 2  # traffic shifts
     assert tenant_homes([(0, "a"), (0, "a"), (0, "b"), (1, "b"), (2, "b"), (3, "a")]) == [2, 2]
     assert tenant_homes([(0, "a"), (1, "a"), (2, "a")]) == [3]
+    for bad in (["--phases", "0"], ["--active-tenants", "9"], ["--phases", "5", "--requests", "4"]):
+        assert main(bad) == 2  # refused before any engine starts
 
     rows = [row(0, "prefix", 0.5, 10), row(0, "kv", 0.6, 9), row(1, "prefix", 0.6, 9), row(1, "kv", 0.59, 8)]
     assert verdict(rows) == {

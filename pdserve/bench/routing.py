@@ -9,13 +9,18 @@ per policy (``round_robin``, ``prefix``, ``kv``), each on fresh processes:
   follows the system prompt in every request of theirs;
 - ``--requests`` requests, each a seeded random (tenant, user) plus a fresh question
   (``--question-len`` tokens), sent by ``--concurrency`` clients in a closed loop; every
-  policy gets the same requests in the same order.
+  policy gets the same requests in the same order;
+- traffic that shifts: the requests come in ``--phases`` stretches, and in each only a seeded
+  draw of ``--active-tenants`` tenants asks (``--phases 1 --active-tenants 0``: every tenant
+  all the time).
 
-The engines' caches are sized (``--num-blocks``) so that the tenants' system prompts fit in the
-pool but not on one engine (the defaults: 4 tenants of 20 blocks, 56 blocks an engine, so about
-two tenants each): where a tenant is placed, and whether the router learns that its blocks were
-evicted, decides the hit rate. With ``--tenants 8 --num-blocks 96`` every placement churns
-(4 tenants an engine need about 100 blocks) and the policies tie within noise on hit rate. Per policy and repeat it reports, from the engines' own counts:
+The engines' caches are sized (``--num-blocks``) so that a phase's tenants' system prompts fit
+in the pool but not on one engine (the defaults: 8 tenants, 4 asking per phase, 20-block system
+prompts, 56 blocks an engine: about two tenants each). A tenant idle for a phase is evicted;
+whether the router learns that (``kv``, from ``BlockRemoved``) or keeps sending the tenant where
+it first went (``prefix``) decides the hit rate. With every tenant asking all the time and
+``--num-blocks 96`` every placement churns (4 tenants an engine need about 100 blocks) and the
+two tie within noise on hit rate. Per policy and repeat it reports, from the engines' own counts:
 
 - prefill prefix-hit rate: prompt tokens the prefill engine found in its cache / prompt tokens;
 - blocks pulled per request: KV blocks the decode engine pulled from prefill (the ones its own
@@ -251,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.bench.peers import machine_info
 
     args = build_parser().parse_args(argv)
+    if not 1 <= args.phases <= args.requests or not 0 <= args.active_tenants <= args.tenants:
+        print(
+            f"error: need 1 <= --phases ({args.phases}) <= --requests ({args.requests}) and "
+            f"0 <= --active-tenants ({args.active_tenants}) <= --tenants ({args.tenants})"
+        )
+        return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
