@@ -8,20 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
+from tests.cluster_helpers import pid_gone
 from tests.process_helpers import children_of, processes_mentioning
-from tests.reliability.helpers import free_ports
-
-
-def _wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout_s:.0f} s")
+from tests.reliability.helpers import free_ports, wait_for
 
 
 def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_dir, tmp_path):
@@ -33,12 +23,11 @@ def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_d
             stdout=subprocess.DEVNULL, stderr=log,
         )  # fmt: skip
     try:
-        (core,) = _wait_for(lambda: _cores_of(front.pid), 60, "the front spawned no core")
+        wait_for(lambda: _cores_of(front.pid), 60, "the front to spawn its core")
+        (core,) = _cores_of(front.pid)
         os.kill(front.pid, signal.SIGKILL)  # the core is still importing torch or loading
         front.wait(timeout=10)
-        _wait_for(
-            lambda: not os.path.exists(f"/proc/{core}") or _is_zombie(core), 60, "the core did not exit"
-        )
+        wait_for(lambda: pid_gone(core), 60, "the core to exit")
     finally:
         if front.poll() is None:
             front.kill()
@@ -48,11 +37,3 @@ def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_d
 def _cores_of(front: int) -> list[int]:
     cores = {int(line.split(":")[0]) for line in processes_mentioning("pdserve.engine.core_proc")}
     return [pid for pid in children_of(front) if pid in cores]
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

@@ -80,6 +80,7 @@ class Workload:
         systems = [tokens(self.system_len) for _ in range(self.tenants)]
         users = [[tokens(self.user_len) for _ in range(self.users)] for _ in range(self.tenants)]
         active = self.active_tenants or self.tenants
+        # All tenants: no draw, so a run without phases makes the requests earlier runs did.
         phase_tenants = [
             sorted(rng.sample(range(self.tenants), active))
             if active < self.tenants

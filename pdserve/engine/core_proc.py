@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument(
-        "--parent-pid", type=int, default=None, help="the front's pid (default: this process's parent now)"
-    )
+    parser.add_argument("--parent-pid", type=int, required=True, help="the front's pid")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -135,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     # The KV transfer thread must get the GIL promptly while a step runs Python between its
     # torch ops: a 5 ms default switch interval was up to 5 ms of queueing on every pull.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    # The front that spawned this core (see CoreServer.receive), as the front said: the parent
-    # asked for here, after this module's imports (seconds of torch), is init's pid already when
-    # the front died meanwhile, and an idle core then outlived it, holding its model and cache.
-    parent_pid = os.getppid() if args.parent_pid is None else args.parent_pid
+    # The front that spawned this core (see CoreServer.receive), as the front said: os.getppid()
+    # asked here, after this module's imports (seconds of torch), is init's pid already when the
+    # front died meanwhile, and an idle core then outlived it, holding its model and cache.
+    parent_pid = args.parent_pid
     if os.getppid() != parent_pid:
         logger.warning("front process %d is gone before this core started; exiting", parent_pid)
         return 0
