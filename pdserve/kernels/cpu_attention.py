@@ -54,11 +54,17 @@ def serves(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
     """True when the C kernel runs this call: a bf16 cache, or an fp32 one where the vector path
     takes this head_dim (the portable loop loses to SDPA there), on the CPU, head shapes it
     supports, and the library built here."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    return query.dtype in (torch.bfloat16, torch.float32) and serves_heads(
+        query.shape[1], query.shape[2], kv_cache_layer
+    )
+
+
+def serves_heads(num_heads: int, head_dim: int, kv_cache_layer: torch.Tensor) -> bool:
+    """``serves`` for queries of ``num_heads`` heads of ``head_dim`` (fp32 or bf16), whatever
+    their batch: what a caller that makes the query itself asks before it runs."""
     num_kv_heads = kv_cache_layer.shape[3]
     return (
         kv_cache_layer.dtype in (torch.bfloat16, torch.float32)
-        and query.dtype in (torch.bfloat16, torch.float32)
         and kv_cache_layer.device.type == "cpu"
         and kv_cache_layer.shape[-1] == head_dim
         and kv_cache_layer[0].is_contiguous()

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pdserve.engine.cpu_resources import cpu_flags
@@ -47,13 +47,14 @@ def cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
 
 
-def build(source: Path, cc: str) -> Path:
-    """Compile ``source`` once per (source and the headers beside it, compiler, CPU) and return the
-    shared library's path."""
+def build(sources: Sequence[Path], cc: str) -> Path:
+    """Compile ``sources`` into one shared library once per (sources and the headers beside
+    them, compiler, CPU) and return its path; the library is named after the first source."""
+    source = sources[0]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes()
+        b"".join(path.read_bytes() for path in sources)
         + headers
         + version.encode()
         + " ".join(sorted(cpu_flags())).encode()
@@ -66,25 +67,34 @@ def build(source: Path, cc: str) -> Path:
     # Build beside the target and rename: engines starting together never load a half-written file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *CFLAGS, str(source), "-o", partial, *LIBS]
+    cmd = [cc, *CFLAGS, *map(str, sources), "-o", partial, *LIBS]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         os.unlink(partial)
-        raise RuntimeError(f"building {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+        raise RuntimeError(
+            f"building {' + '.join(path.name for path in sources)} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}"
+        )
     os.replace(partial, target)
-    logger.info("built the CPU kernels of %s: %s", source.name, target)
+    logger.info("built the CPU kernels of %s: %s", " + ".join(path.name for path in sources), target)
     return target
 
 
 class CLibrary:
-    """One source of ``kernels/cpu/``, built and loaded on first use (once per process).
+    """One source of ``kernels/cpu/`` (with ``links``: the other sources whose functions it
+    calls, linked into the same library), built and loaded on first use (once per process).
 
     ``declare`` sets the loaded library's functions' ``argtypes`` and ``restype``; ``purpose``
     names what falls back to the torch reference when the library cannot be had.
     """
 
-    def __init__(self, source_name: str, declare: Callable[[ctypes.CDLL], None], purpose: str) -> None:
-        self.source = SOURCES / source_name
+    def __init__(
+        self,
+        source_name: str,
+        declare: Callable[[ctypes.CDLL], None],
+        purpose: str,
+        links: Sequence[str] = (),
+    ) -> None:
+        self.sources = [SOURCES / name for name in (source_name, *links)]
         self.declare = declare
         self.purpose = purpose
         self._lock = threading.Lock()
@@ -102,7 +112,7 @@ class CLibrary:
                 try:
                     if cc is None:
                         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-                    lib = ctypes.CDLL(str(build(self.source, cc)))
+                    lib = ctypes.CDLL(str(build(self.sources, cc)))
                     self.declare(lib)
                 except (RuntimeError, OSError, AttributeError) as exc:
                     self._load_error = str(exc)

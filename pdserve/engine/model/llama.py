@@ -21,8 +21,8 @@ from torch import nn
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.linear import lm_head_logits
-from pdserve.engine.model.quant_linear import QuantLinear, install_blocks
-from pdserve.kernels import cpu_layer_ops
+from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear, install_blocks
+from pdserve.kernels import cpu_decoder_layer, cpu_layer_ops
 from pdserve.kernels.cpu_quant import BlockKind
 
 
@@ -150,6 +150,41 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self._fused: cpu_decoder_layer.PreparedLayer | None = None
+        self._fused_asked = False
+
+    def fused(self) -> cpu_decoder_layer.PreparedLayer | None:
+        """The layer as ``cpu_decoder_layer`` runs it in one C call, or None when it cannot:
+        its four projections must be block-held ones the C kernel reads (``--quantization``),
+        with a bias on q/k/v at most. Asked once, after the weights are in place (the first
+        forward pass)."""
+        if not self._fused_asked:
+            self._fused_asked = True
+            attn, mlp = self.self_attn, self.mlp
+            projections: tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            held = [p for p in projections if isinstance(p, QuantLinear) and p.use_kernel]
+            blocks = [cpu_decoder_layer.BlockWeight(p.kind, p.blocks) for p in held]
+            if (
+                len(blocks) == len(projections)
+                and all(p.bias is None for p in projections[1:])
+                and self.input_layernorm.eps == self.post_attention_layernorm.eps
+                and cpu_decoder_layer.available()
+            ):
+                self._fused = cpu_decoder_layer.PreparedLayer(
+                    heads=attn.num_heads,
+                    kv_heads=attn.num_kv_heads,
+                    head_dim=attn.head_dim,
+                    intermediate=mlp.intermediate_size,
+                    eps=self.input_layernorm.eps,
+                    input_norm=self.input_layernorm.weight,
+                    post_norm=self.post_attention_layernorm.weight,
+                    qkv=blocks[0],
+                    o=blocks[1],
+                    gate_up=blocks[2],
+                    down=blocks[3],
+                    qkv_bias=attn.qkv_proj.bias,
+                )
+        return self._fused
 
     def forward(
         self,
@@ -159,6 +194,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        fused = self.fused()
+        if fused is not None and cpu_decoder_layer.serves(
+            fused, hidden, cos, kv_cache_layer, meta, max_rows=KERNEL_MAX_ROWS
+        ):
+            return cpu_decoder_layer.decoder_layer(fused, hidden, cos, sin_signed, kv_cache_layer, meta)
         attended = self.self_attn(self.input_layernorm(hidden), cos, sin_signed, kv_cache_layer, meta)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
         return hidden + self.mlp(normed)

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "bf16.h"
+#include "kernels.h"
 
 /* Element i of a bf16 (is_bf16) or fp32 array, as fp32. */
 static inline float get(const void *a, int is_bf16, int64_t i) {

@@ -32,6 +32,7 @@
 #include <string.h>
 #include "avx2.h"
 #include "bf16.h"
+#include "kernels.h"
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>

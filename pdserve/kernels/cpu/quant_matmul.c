@@ -27,7 +27,8 @@
  * memory floor. Rows of W are split between OpenMP threads.
  *
  * On CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older Intel), fp32 activations take the
- * avx2 route: per block the nibbles (or int8s) become 4 x 8 fp32 q values, their dot with x is
+ * avx2 route: per block the nibbles (or int8s) become 4 x 8 fp32 q values lane-wise, without
+ * shuffles, against x permuted once per call to match (see prepare_x_avx2); their dot with x is
  * scaled by d once per block, and m is applied through x's block sums (sum_j (d q_j + m) x_j =
  * d (q . x) + m sum x): two multiply-adds a weight fewer than decoding d q + m first.
  *
@@ -40,6 +41,7 @@
 #include <string.h>
 #include "avx2.h"
 #include "bf16.h"
+#include "kernels.h"
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -337,29 +339,72 @@ DEFINE_ROWS_DISPATCH(row_dots_dispatch, row_dots, float)
 #endif
 
 #if defined(AVX2_ROUTE)
-/* A block's 32 q values as 4 x 8 fp32 (weights 0-7, 8-15, 16-23, 24-31): Q4_1's nibbles (low
- * nibbles are weights 0-15, high ones 16-31), or Q8_0's int8s. Exact: small integers. */
+/*
+ * The avx2 route decodes a block's weights lane-wise, with no shuffles: its bytes are read as
+ * 32-bit lanes, and each lane's nibble (or byte) is masked (or shifted) out where it lies, then
+ * converted to fp32. Per 8 weights that is one and (Q4_1) or one or two shifts (Q8_0), one
+ * conversion and one fma, where widening bytes (vpmovzxbd) took two shuffles more, on the
+ * CPU's two shuffle ports: 3.7-4.3 ns a Q4_1 block before, on one Zen 3 core at 2.45 GHz.
+ *
+ * The weights a lane holds are not consecutive, so x is permuted to match once per call
+ * (prepare_x_avx2; every output row reads it):
+ *   Q4_1: the 16 nibble bytes broadcast to both 128-bit halves: lane l (0-7) holds dword l % 4,
+ *         bytes 4 (l % 4) .. 4 (l % 4) + 3. Vector t (0-3) takes from each lane the low nibble
+ *         of byte t (lanes 0-3: weight 4 (l % 4) + t) or its high nibble (lanes 4-7: weight
+ *         4 (l % 4) + t + 16). The nibble is masked in place, so the lane holds q * 2^shift
+ *         with shift <= 24 (vector 3 reads the dword shifted right by 4, so that no nibble
+ *         reaches the sign bit): an integer below 2^28 with 4 significant bits, converted
+ *         exactly. x is prescaled by 2^-shift (exact: a power of two), so each product is
+ *         q * x as decoding q first gives it.
+ *   Q8_0: the 32 bytes as 8 lanes; vector k (0-3) takes byte k of each lane (weight 4 l + k),
+ *         sign-extended by shifting it to the top and arithmetically back.
+ */
+#define LANES_PER_BLOCK 32 /* 4 vectors of 8 */
+
+/* Where lane l of vector t of a block reads its weight, and x's scale there, per kind. */
+static inline int lane_weight(int kind, int t, int l) {
+    return kind == 0 ? 4 * (l % 4) + t + 16 * (l / 4) : 4 * l + t;
+}
+static inline int lane_shift(int kind, int t, int l) {
+    if (kind != 0) return 0;
+    return t < 3 ? 8 * t + 4 * (l / 4) : 20 + 4 * (l / 4);
+}
+
+/* xp[r][b][t][l] = x[r][b * 32 + lane_weight(t, l)] * 2^-lane_shift(t, l). */
+static void prepare_x_avx2(int kind, const float *x, int64_t M, int64_t K, float *xp) {
+    int index[LANES_PER_BLOCK];
+    float scale[LANES_PER_BLOCK];
+    for (int t = 0; t < 4; t++)
+        for (int l = 0; l < 8; l++) {
+            index[t * 8 + l] = lane_weight(kind, t, l);
+            scale[t * 8 + l] = 1.0f / (float)(1u << lane_shift(kind, t, l));
+        }
+    for (int64_t i = 0; i < M * (K / QK); i++)
+        for (int e = 0; e < LANES_PER_BLOCK; e++) xp[i * QK + e] = x[i * QK + index[e]] * scale[e];
+}
+
+/* A block's weights as 4 vectors of 8 fp32, in prepare_x_avx2's lane order (scaled as there). */
 static inline __attribute__((always_inline)) void q_values_avx2(int kind, const uint8_t *qs, __m256 q[4]) {
     if (kind == 0) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
-        const __m128i mask = _mm_set1_epi8(15);
-        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+        const __m256i b4 = _mm256_srli_epi32(b, 4);
+        const __m256i m0 = _mm256_setr_epi32(0xF, 0xF, 0xF, 0xF, 0xF0, 0xF0, 0xF0, 0xF0);
+        q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, m0));
+        q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_slli_epi32(m0, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_slli_epi32(m0, 16)));
+        q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(b4, _mm256_slli_epi32(m0, 20)));
     } else {
-        const __m128i a = _mm_loadu_si128((const __m128i *)qs), b = _mm_loadu_si128((const __m128i *)(qs + 16));
-        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
-        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
-        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)qs);
+        q[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), 24));
+        q[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), 24));
+        q[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 8), 24));
+        q[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(b, 24));
     }
 }
 
-/* One block of one output row against one row of x: acc += d * ((q0 x0 + q1 x1) + (q2 x2 + q3 x3)).
- * Every (row of x, output row) pair sums in this order, whatever the tile it is computed in, so
- * a request's logits do not depend on what it is batched with. */
+/* One block of one output row against one row of prepared x: acc += d * ((q0 x0 + q1 x1) +
+ * (q2 x2 + q3 x3)). Every (row of x, output row) pair sums in this order, whatever the tile it
+ * is computed in, so a request's logits do not depend on what it is batched with. */
 static inline __attribute__((always_inline)) __m256 block_dot_avx2(const __m256 q[4], __m256 d, const float *xr,
                                                                    __m256 acc) {
     __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
@@ -369,80 +414,138 @@ static inline __attribute__((always_inline)) __m256 block_dot_avx2(const __m256 
     return _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc);
 }
 
-/* `rows` rows of x against one output row: dot[r] = d-scaled q . x over the blocks (the m part
- * is added by the caller from x's block sums). */
+/* The scale of block b of a row, broadcast. Q4_1's scales are converted 8 at a time into `d8`
+ * (by group_start_avx2, whose window starts at block `base`) and broadcast from there in
+ * registers (a store and reload of them stalled on store forwarding); Q8_0's sits in its block. */
+static inline __attribute__((always_inline)) __m256 block_scale_avx2(int kind, const uint8_t *w_row, int64_t b,
+                                                                     __m256 d8, int64_t base) {
+    if (kind != 0) return _mm256_set1_ps(fp16_to_fp32(*(const uint16_t *)(w_row + b * Q8_0_BYTES)));
+    return _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32((int)(b - base)));
+}
+
+/* All ones from lane `skip` on (skip 0-8): loadu of LANE_MASKS + 8 - skip. */
+static const int32_t LANE_MASKS[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+
+/* At Q4_1 block b, a multiple of 8: the scales of blocks b.. into d8, and their minima's part
+ * (sum m[b] * xsum[b], see the header) into each row's accumulator, so that no second pass
+ * over the row is needed (it cost a fifth of the time at one row of x). Returns the block that
+ * d8's lane 0 holds. Near the row's end the window of 8 is moved back to end at its last
+ * block, inside the row (reading past it could read past the tensor), with the blocks already
+ * counted masked out of the minima; only rows of fewer than 8 blocks copy their scales out
+ * (the copy's reload stalls on store forwarding, which small rows can afford). */
+static inline __attribute__((always_inline)) int64_t group_start_avx2(const uint8_t *w_row, int64_t K,
+                                                                      int64_t blocks, int64_t b, const float *xsum,
+                                                                      int64_t xsum_stride, int rows, __m256 *d8,
+                                                                      __m256 *acc) {
+    const uint16_t *d_all = (const uint16_t *)(w_row + K / 2), *m_all = d_all + blocks;
+    __m256 m8;
+    int64_t base = b;
+    if (blocks < 8) {
+        uint16_t d_copy[8] = {0}, m_copy[8] = {0};
+        memcpy(d_copy, d_all, (size_t)blocks * sizeof(uint16_t));
+        memcpy(m_copy, m_all, (size_t)blocks * sizeof(uint16_t));
+        *d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d_copy));
+        m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m_copy));
+    } else {
+        if (b + 8 > blocks) base = blocks - 8;
+        *d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d_all + base)));
+        m8 = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m_all + base))),
+                           _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(LANE_MASKS + 8 - (b - base)))));
+    }
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + r * xsum_stride + base), acc[r]);
+    return base;
+}
+
+static inline const uint8_t *block_qs_avx2(int kind, const uint8_t *w_row, int64_t b) {
+    return kind == 0 ? w_row + b * 16 : w_row + b * Q8_0_BYTES + 2;
+}
+
+/* `rows` rows of prepared x against one output row: dot[r] = x[r] . W[n] (Q4_1's minima
+ * included through xsum). */
 static inline __attribute__((always_inline)) void row_dots_avx2(int kind, const uint8_t *w_row, int64_t blocks,
-                                                                const float *x, int64_t K, int rows, float *dot) {
-    __m256 acc[ROWS_PER_TILE];
+                                                                const float *xp, const float *xsum,
+                                                                int64_t xsum_stride, int64_t K, int rows,
+                                                                float *dot) {
+    __m256 acc[ROWS_PER_TILE], d8 = _mm256_setzero_ps();
+    int64_t base = 0;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const BlockRef ref = block_ref(kind, w_row, K, b);
+        if (kind == 0 && b % 8 == 0) base = group_start_avx2(w_row, K, blocks, b, xsum, xsum_stride, rows, &d8, acc);
         __m256 q[4];
-        q_values_avx2(kind, ref.qs, q);
-        const __m256 d = _mm256_set1_ps(fp16_to_fp32(ref.d));
-        for (int r = 0; r < rows; r++) acc[r] = block_dot_avx2(q, d, x + r * K + b * QK, acc[r]);
+        q_values_avx2(kind, block_qs_avx2(kind, w_row, b), q);
+        const __m256 d = block_scale_avx2(kind, w_row, b, d8, base);
+        for (int r = 0; r < rows; r++) acc[r] = block_dot_avx2(q, d, xp + r * K + b * QK, acc[r]);
     }
     for (int r = 0; r < rows; r++) dot[r] = hsum_avx2(acc[r]);
 }
 
-DEFINE_ROWS_DISPATCH(row_dots_avx2_dispatch, row_dots_avx2, float)
+#define AVX2_ROWS_CASE(KIND, ROWS) \
+    case ROWS:                     \
+        row_dots_avx2(KIND, w_row, blocks, xp, xsum, xsum_stride, K, ROWS, dot); \
+        break;
+#define AVX2_KIND_SWITCH(KIND)                                                                        \
+    switch (rows) {                                                                                   \
+        AVX2_ROWS_CASE(KIND, 1) AVX2_ROWS_CASE(KIND, 2) AVX2_ROWS_CASE(KIND, 3) AVX2_ROWS_CASE(KIND, 4) \
+        AVX2_ROWS_CASE(KIND, 5) AVX2_ROWS_CASE(KIND, 6) AVX2_ROWS_CASE(KIND, 7) AVX2_ROWS_CASE(KIND, 8) \
+    }
+/* row_dots_avx2 with (kind, rows) as constants, as DEFINE_ROWS_DISPATCH does for the others. */
+static void row_dots_avx2_dispatch(int kind, const uint8_t *w_row, int64_t blocks, const float *xp,
+                                   const float *xsum, int64_t xsum_stride, int64_t K, int rows, float *dot) {
+    if (kind == 0) {
+        AVX2_KIND_SWITCH(0)
+    } else {
+        AVX2_KIND_SWITCH(1)
+    }
+}
 
 /* COLS_PER_TILE output rows at once against one or two rows of x (decode batches of one or two
- * sequences), for Q4_1: with one output row, its single accumulator's fma latency bounds the
- * loop; four independent ones hide it, and the per-row overhead (horizontal sums, the minima)
- * is shared. 3072 x 576 at one row, one core: 3.8-4.3 ns a block, from 6.1-6.4. Q8_0 (the
- * embedding and LM head) keeps one output row at a time: 4.2 ns a block, 9.2 tiled. */
+ * sequences): with one output row, its single accumulator's fma latency bounds the loop; four
+ * independent ones hide it, and x's loads are shared. */
 #define COLS_PER_TILE 4
 static inline __attribute__((always_inline)) void cols_dots_avx2(int kind, const uint8_t *w, int64_t row_bytes,
-                                                                 int64_t blocks, const float *x, int64_t K, int rows,
+                                                                 int64_t blocks, const float *xp, const float *xsum,
+                                                                 int64_t xsum_stride, int64_t K, int rows,
                                                                  float dot[COLS_PER_TILE][2]) {
-    __m256 acc[COLS_PER_TILE][2];
-    for (int c = 0; c < COLS_PER_TILE; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+    __m256 acc[COLS_PER_TILE][2], d8[COLS_PER_TILE];
+    int64_t base = 0;
+    for (int c = 0; c < COLS_PER_TILE; c++) acc[c][0] = acc[c][1] = d8[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         for (int c = 0; c < COLS_PER_TILE; c++) {
-            const BlockRef ref = block_ref(kind, w + c * row_bytes, K, b);
+            const uint8_t *w_row = w + c * row_bytes;
+            if (kind == 0 && b % 4 == 0) { /* the next tile's row, a cache line at a time: its
+                                             * bytes arrive while this tile computes */
+                const uint8_t *next_row = w_row + COLS_PER_TILE * row_bytes;
+                _mm_prefetch((const char *)(next_row + b * 16), _MM_HINT_T0);
+                if (b % 32 == 0) {
+                    _mm_prefetch((const char *)(next_row + K / 2 + b * 2), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next_row + K / 2 + (blocks + b) * 2), _MM_HINT_T0);
+                }
+            }
+            if (kind == 0 && b % 8 == 0)
+                base = group_start_avx2(w_row, K, blocks, b, xsum, xsum_stride, rows, &d8[c], acc[c]);
             __m256 q[4];
-            q_values_avx2(kind, ref.qs, q);
-            const __m256 d = _mm256_set1_ps(fp16_to_fp32(ref.d));
-            for (int r = 0; r < rows; r++) acc[c][r] = block_dot_avx2(q, d, x + r * K + b * QK, acc[c][r]);
+            q_values_avx2(kind, block_qs_avx2(kind, w_row, b), q);
+            const __m256 d = block_scale_avx2(kind, w_row, b, d8[c], base);
+            for (int r = 0; r < rows; r++) acc[c][r] = block_dot_avx2(q, d, xp + r * K + b * QK, acc[c][r]);
         }
     }
     for (int c = 0; c < COLS_PER_TILE; c++)
         for (int r = 0; r < rows; r++) dot[c][r] = hsum_avx2(acc[c][r]);
 }
 
-/* sum_b m[b] * xsum[b] for a Q4_1 row (8 blocks' minima at a time). */
-static inline float minima_dot_avx2(const uint8_t *w_row, int64_t K, int64_t blocks, const float *xsum) {
-    const uint16_t *m_all = (const uint16_t *)(w_row + K / 2) + blocks;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m_all + b))),
-                              _mm256_loadu_ps(xsum + b), acc);
-    float sum = hsum_avx2(acc);
-    for (; b < blocks; b++) sum += fp16_to_fp32(m_all[b]) * xsum[b];
-    return sum;
-}
-
-/* y[r, n] = dot[..] (+ the minima's part for Q4_1). */
-static inline void store_dots_avx2(int kind, const uint8_t *w_row, int64_t K, int64_t blocks, const float *xsum,
-                                   int64_t r, int64_t n, int64_t N, float dot, void *y, int y_is_bf16) {
-    if (kind == 0) dot += minima_dot_avx2(w_row, K, blocks, xsum + r * blocks);
-    store(y, y_is_bf16, r * N + n, dot);
-}
-
 static void avx2_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y,
                         int y_is_bf16, int threads) {
-    const int64_t blocks = K / QK, row_bytes = blocks * block_bytes(kind);
-    float *xsum = NULL;
-    if (kind == 0) { /* x's sum over each block, once per call (every output row uses it) */
-        xsum = (float *)malloc((size_t)(M * blocks) * sizeof(float));
-        for (int64_t i = 0; i < M * blocks; i++) {
+    const int64_t blocks = K / QK, row_bytes = blocks * block_bytes(kind), xsum_stride = (blocks + 7) / 8 * 8;
+    float *xp = (float *)malloc((size_t)(M * K) * sizeof(float));
+    float *xsum = (float *)calloc((size_t)(M * xsum_stride), sizeof(float));
+    prepare_x_avx2(kind, x, M, K, xp);
+    for (int64_t r = 0; r < M; r++) /* x's sum over each block (Q4_1's minima multiply it) */
+        for (int64_t b = 0; b < blocks; b++) {
             float s = 0.0f;
-            for (int j = 0; j < QK; j++) s += x[i * QK + j];
-            xsum[i] = s;
+            for (int j = 0; j < QK; j++) s += x[r * K + b * QK + j];
+            xsum[r * xsum_stride + b] = s;
         }
-    }
     if (M <= 2 && kind == 0) {
         const int64_t tiles = (N + COLS_PER_TILE - 1) / COLS_PER_TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -451,33 +554,32 @@ static void avx2_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
             float dot[COLS_PER_TILE][2];
             if (n0 + COLS_PER_TILE <= N) {
                 if (M == 1)
-                    cols_dots_avx2(kind, w + n0 * row_bytes, row_bytes, blocks, x, K, 1, dot);
+                    cols_dots_avx2(kind, w + n0 * row_bytes, row_bytes, blocks, xp, xsum, xsum_stride, K, 1, dot);
                 else
-                    cols_dots_avx2(kind, w + n0 * row_bytes, row_bytes, blocks, x, K, 2, dot);
+                    cols_dots_avx2(kind, w + n0 * row_bytes, row_bytes, blocks, xp, xsum, xsum_stride, K, 2, dot);
             } else { /* the last, partial tile: one output row at a time, summed alike */
                 for (int64_t n = n0; n < N; n++) {
                     float one[ROWS_PER_TILE];
-                    row_dots_avx2_dispatch(kind, w + n * row_bytes, blocks, x, K, (int)M, one);
+                    row_dots_avx2_dispatch(kind, w + n * row_bytes, blocks, xp, xsum, xsum_stride, K, (int)M, one);
                     for (int64_t r = 0; r < M; r++) dot[n - n0][r] = one[r];
                 }
             }
             for (int64_t n = n0; n < N && n < n0 + COLS_PER_TILE; n++)
-                for (int64_t r = 0; r < M; r++)
-                    store_dots_avx2(kind, w + n * row_bytes, K, blocks, xsum, r, n, N, dot[n - n0][r], y, y_is_bf16);
+                for (int64_t r = 0; r < M; r++) store(y, y_is_bf16, r * N + n, dot[n - n0][r]);
         }
     } else {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t n = 0; n < N; n++) {
-            const uint8_t *w_row = w + n * row_bytes;
             float dot[ROWS_PER_TILE];
             for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_TILE) {
                 int rows = (int)(M - m0 < ROWS_PER_TILE ? M - m0 : ROWS_PER_TILE);
-                row_dots_avx2_dispatch(kind, w_row, blocks, x + m0 * K, K, rows, dot);
-                for (int r = 0; r < rows; r++)
-                    store_dots_avx2(kind, w_row, K, blocks, xsum, m0 + r, n, N, dot[r], y, y_is_bf16);
+                row_dots_avx2_dispatch(kind, w + n * row_bytes, blocks, xp + m0 * K, xsum + m0 * xsum_stride,
+                                       xsum_stride, K, rows, dot);
+                for (int r = 0; r < rows; r++) store(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
             }
         }
     }
+    free(xp);
     free(xsum);
 }
 #endif

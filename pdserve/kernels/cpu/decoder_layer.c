@@ -1,0 +1,127 @@
+/*
+ * A whole Llama decoder layer for a batch of decode tokens, as one call: the layer the model's
+ * torch code runs op by op (pdserve/engine/model/llama.py), over weights held as GGUF blocks.
+ *
+ * Why: at one sequence a decode step of SmolLM2-135M is 30 layers of a dozen small ops each
+ * (norms, four projections, RoPE and the KV write, attention, SiLU, residual adds). Each op was
+ * already one C call, but each call still costs its Python around it (the module call, the
+ * ctypes marshalling, an output tensor): 9-12 ms of a 34 ms step on the AMD EPYC (Zen 3) here,
+ * a third of the step, doing no arithmetic. Here the layer is one call, and the Python per
+ * layer is one marshalling.
+ *
+ * The ops are the same C functions the per-op path calls (kernels.h), in the same order and
+ * with the same roundings to the activations' dtype, so a row's result is the per-op path's bit
+ * for bit except SiLU in fp32: expf here against torch's vectorised exp, an ulp apart at most.
+ * Like the per-op path, a row's result does not depend on the rows batched with it.
+ *
+ *   normed = rms_norm(h)                       input_layernorm
+ *   qkv    = normed @ Wqkv^T (+ bias)          self_attn.qkv_proj
+ *   RoPE on q, k; k, v into the cache          pd_rope_and_cache
+ *   attn   = paged decode attention(q)         pd_paged_decode_attention
+ *   h'     = h + attn @ Wo^T                   residual
+ *   normed = rms_norm(h')                      post_attention_layernorm
+ *   act    = silu(gate) * up, [gate up] = normed @ Wgate_up^T
+ *   out    = h' + act @ Wdown^T
+ *
+ * Built at first use with the host compiler and -march=native together with the sources it
+ * calls (pdserve/kernels/cpu_build.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "bf16.h"
+#include "kernels.h"
+
+/* One layer's constants, filled once per layer by pdserve/kernels/cpu_decoder_layer.py (whose
+ * ctypes Structure mirrors this one field for field). Weights are GGUF block rows (kind: 0
+ * Q4_1, 1 Q8_0, as pd_quant_matmul takes them); norms and the bias are in the activations'
+ * dtype. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const void *input_norm, *post_norm; /* [hidden] */
+    const void *qkv_bias;               /* [(heads + 2 * kv_heads) * head_dim] or NULL */
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+} PdDecoderLayer;
+
+static inline float get(const void *a, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_to_fp32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
+}
+
+static inline void put(void *a, int is_bf16, int64_t i, float v) {
+    if (is_bf16)
+        ((uint16_t *)a)[i] = fp32_to_bf16(v);
+    else
+        ((float *)a)[i] = v;
+}
+
+/* a[i] = a[i] + b[i], rounded to the dtype (torch's elementwise add). */
+static void add_into(void *a, const void *b, int is_bf16, int64_t count) {
+    for (int64_t i = 0; i < count; i++) put(a, is_bf16, i, get(a, is_bf16, i) + get(b, is_bf16, i));
+}
+
+/*
+ * hidden_out[rows, hidden] = the layer applied to hidden_in (rows decode tokens, one per
+ * sequence; hidden_out may not alias hidden_in). is_bf16: the activations' dtype (hidden, cos,
+ * sin_signed, norms). The cache arguments are pd_rope_and_cache's and
+ * pd_paged_decode_attention's: the layer's view of the cache, slots [rows] int64,
+ * block_tables [rows, max_blocks] int32, seq_lens [rows] int32 (including the new token).
+ * Returns 0, or -1 when a buffer could not be allocated (nothing written to the cache then).
+ */
+int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidden_in, void *hidden_out,
+                     int64_t rows, const void *cos, const void *sin_signed, void *cache, int cache_is_bf16,
+                     int64_t block_size, int64_t block_stride, int64_t half_stride, const int64_t *slots,
+                     const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int threads) {
+    const int64_t H = layer->hidden, heads = layer->heads, kv_heads = layer->kv_heads, D = layer->head_dim;
+    const int64_t I = layer->intermediate, qkv_width = (heads + 2 * kv_heads) * D, q_width = heads * D;
+    const int64_t max_len = max_blocks * block_size;
+    const int attn_threads = (int)(threads < rows * kv_heads ? threads : rows * kv_heads);
+    const size_t es = is_bf16 ? 2 : 4;
+    /* One allocation for every intermediate: normed, qkv, q, attention out, o, gate_up, act. */
+    const int64_t elems = rows * (H + qkv_width + 2 * q_width + H + 2 * I + I);
+    char *buffer = (char *)malloc((size_t)elems * es);
+    float *scores = (float *)malloc((size_t)(attn_threads * (max_len + 2 * D) * heads) * sizeof(float));
+    if (buffer == NULL || scores == NULL) {
+        free(buffer);
+        free(scores);
+        return -1;
+    }
+    char *normed = buffer, *qkv = normed + rows * H * es, *q = qkv + rows * qkv_width * es;
+    char *attn = q + rows * q_width * es, *o = attn + rows * q_width * es, *gate_up = o + rows * H * es;
+    char *act = gate_up + rows * 2 * I * es;
+
+    pd_rms_norm(hidden_in, NULL, NULL, layer->input_norm, normed, rows, H, layer->eps, is_bf16);
+    pd_quant_matmul(layer->qkv_kind, normed, is_bf16, rows, H, layer->qkv, qkv_width, qkv, is_bf16, threads);
+    if (layer->qkv_bias != NULL)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t n = 0; n < qkv_width; n++)
+                put(qkv, is_bf16, r * qkv_width + n,
+                    get(qkv, is_bf16, r * qkv_width + n) + get(layer->qkv_bias, is_bf16, n));
+    pd_rope_and_cache(qkv, is_bf16, rows, heads, kv_heads, D, cos, sin_signed, cache, cache_is_bf16, slots,
+                      block_size, block_stride, half_stride);
+    for (int64_t r = 0; r < rows; r++) /* the q heads of each row, contiguous for the attention */
+        memcpy(q + r * q_width * es, qkv + r * qkv_width * es, (size_t)q_width * es);
+    pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
+                              block_tables, max_blocks, seq_lens, layer->scale, attn, scores, max_len,
+                              attn_threads);
+    pd_quant_matmul(layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, is_bf16, threads);
+    /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
+    pd_rms_norm(hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, layer->eps, is_bf16);
+    pd_quant_matmul(layer->gate_up_kind, normed, is_bf16, rows, H, layer->gate_up, 2 * I, gate_up, is_bf16,
+                    threads);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = get(gate_up, is_bf16, r * 2 * I + i), up = get(gate_up, is_bf16, r * 2 * I + I + i);
+            /* F.silu(gate) rounded to the dtype, then times up, rounded again: as torch does */
+            float silu = g / (1.0f + expf(-g));
+            if (is_bf16) silu = bf16_to_fp32(fp32_to_bf16(silu));
+            put(act, is_bf16, r * I + i, silu * up);
+        }
+    pd_quant_matmul(layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, is_bf16, threads);
+    add_into(hidden_out, o, is_bf16, rows * H);
+    free(buffer);
+    free(scores);
+    return 0;
+}

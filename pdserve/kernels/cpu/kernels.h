@@ -1,0 +1,28 @@
+/*
+ * The exported entry points of the CPU kernels (the .c files beside this one), for a source that calls
+ * another's: decoder_layer.c runs a whole decoder layer out of them, linked into one library
+ * (pdserve/kernels/cpu_build.py builds a CLibrary from several sources). Each function's
+ * contract is documented at its definition.
+ */
+#ifndef PDSERVE_KERNELS_H
+#define PDSERVE_KERNELS_H
+#include <stdint.h>
+
+/* quant_matmul.c */
+void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                     void *y, int y_is_bf16, int threads);
+
+/* layer_ops.c */
+void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
+                 int64_t dim, float eps, int is_bf16);
+void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       const void *cos, const void *sin_signed, void *cache, int cache_is_bf16,
+                       const int64_t *slots, int64_t block_size, int64_t block_stride, int64_t half_stride);
+
+/* paged_attention.c */
+void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int kv_is_bf16, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                               int64_t block_stride, const int32_t *block_tables, int64_t max_blocks,
+                               const int32_t *seq_lens, float scale, void *out, float *scratch, int64_t max_len,
+                               int threads);
+#endif

@@ -1,0 +1,199 @@
+"""A decoder layer over GGUF-block weights as one C call for decode batches (``kernels/cpu/decoder_layer.c``).
+
+At one sequence the per-op path (``llama.LlamaDecoderLayer``: each op already one C call) spent
+a third of a SmolLM2-135M decode step in the Python around those calls. The model asks
+``serves`` whether a layer's call can be the fused one instead: every token of the pass a decode
+(one per sequence), a few of them, activations in fp32 or bf16 on the CPU, and the C attention
+taking the cache; the model itself decides that the layer's four projections are blocks the C
+kernel reads (``llama.LlamaDecoderLayer.fused``). Anything else (prefill chunks, dense weights,
+a forced ``PDSERVE_KERNELS`` backend) keeps the per-op path, which computes the same values
+(``decoder_layer.c`` says where they may differ).
+
+The layer's constants (weights' pointers, shapes) are marshalled once into a ``PreparedLayer``
+kept by the layer; a step marshals only its tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve import kernels
+from pdserve.kernels import cpu_attention, cpu_layer_ops
+from pdserve.kernels.cpu_build import CLibrary
+from pdserve.kernels.cpu_quant import BlockKind
+
+if TYPE_CHECKING:
+    from pdserve.engine.model.attention import AttentionMetadata
+
+
+class LayerArgs(ctypes.Structure):
+    """``PdDecoderLayer`` of decoder_layer.c, field for field."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("qkv_kind", ctypes.c_int32),
+        ("o_kind", ctypes.c_int32),
+        ("gate_up_kind", ctypes.c_int32),
+        ("down_kind", ctypes.c_int32),
+    ]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.pd_decoder_layer.argtypes = [
+        ctypes.POINTER(LayerArgs), cint, ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, i64, ptr, ptr, i64, ptr, cint
+    ]  # fmt: skip
+    lib.pd_decoder_layer.restype = cint
+
+
+KERNELS = CLibrary(
+    "decoder_layer.c",
+    _declare,
+    "fused decoder layer",
+    links=("quant_matmul.c", "layer_ops.c", "paged_attention.c"),
+)
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A projection's weight as the C kernel reads it: GGUF block rows of ``kind``."""
+
+    kind: BlockKind
+    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8, contiguous
+
+
+class PreparedLayer:
+    """One layer's ``LayerArgs`` and the tensors its pointers point into (kept alive with it)."""
+
+    def __init__(
+        self,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        qkv: BlockWeight,
+        o: BlockWeight,
+        gate_up: BlockWeight,
+        down: BlockWeight,
+        qkv_bias: torch.Tensor | None = None,
+    ) -> None:
+        norms = (input_norm.detach().contiguous(), post_norm.detach().contiguous())
+        bias = None if qkv_bias is None else qkv_bias.detach().contiguous()
+        self.dtype = norms[0].dtype
+        if norms[1].dtype != self.dtype or (bias is not None and bias.dtype != self.dtype):
+            raise ValueError("the fused layer's norms and bias must share the activations' dtype")
+        weights = (qkv, o, gate_up, down)
+        for weight in weights:
+            if weight.blocks.dtype != torch.uint8 or not weight.blocks.is_contiguous():
+                raise ValueError("the fused layer's weights must be contiguous uint8 block rows")
+        self._alive = [*norms, *(w.blocks for w in weights), *([] if bias is None else [bias])]
+        self.args = LayerArgs(
+            hidden=norms[0].numel(),
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=intermediate,
+            eps=eps,
+            scale=head_dim**-0.5,
+            input_norm=norms[0].data_ptr(),
+            post_norm=norms[1].data_ptr(),
+            qkv_bias=None if bias is None else bias.data_ptr(),
+            qkv=qkv.blocks.data_ptr(),
+            o=o.blocks.data_ptr(),
+            gate_up=gate_up.blocks.data_ptr(),
+            down=down.blocks.data_ptr(),
+            qkv_kind=int(qkv.kind),
+            o_kind=int(o.kind),
+            gate_up_kind=int(gate_up.kind),
+            down_kind=int(down.kind),
+        )
+
+
+def available() -> bool:
+    """True when the fused layer's library builds and loads here (logged once, why it does not)."""
+    return KERNELS.available()
+
+
+def serves(
+    prepared: PreparedLayer,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    max_rows: int,
+) -> bool:
+    """True when ``decoder_layer`` runs this call: every token a decode, 1 to ``max_rows`` of
+    them, activations (and RoPE tables) in the layer's dtype, and the C ops taking the tensors."""
+    rows = hidden.shape[0]
+    args = prepared.args
+    return (
+        0 < rows <= max_rows
+        and meta.num_decode_tokens == rows
+        and cos.dtype == hidden.dtype == prepared.dtype
+        and cpu_layer_ops.serves(hidden)
+        and cpu_attention.serves_heads(args.heads, args.head_dim, kv_cache_layer)
+        and kernels.forced_backend() not in ("torch", "triton")
+        and KERNELS.available()
+    )
+
+
+def decoder_layer(
+    prepared: PreparedLayer,
+    hidden: torch.Tensor,  # [rows, hidden]: one decode token per sequence
+    cos: torch.Tensor,  # [rows, 1, head_dim], hidden's dtype
+    sin_signed: torch.Tensor,
+    kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [rows, hidden]: the layer's output (hidden itself is not changed)
+    """The layer over ``hidden`` as one C call; the step's K and V go into the cache as the
+    per-op path writes them."""
+    hidden = hidden.contiguous()
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    tables = meta.decode_block_tables.to(torch.int32).contiguous()
+    lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(hidden)
+    _, _, block_size, _, _ = kv_cache_layer.shape
+    status = KERNELS.load().pd_decoder_layer(
+        ctypes.byref(prepared.args),
+        int(hidden.dtype == torch.bfloat16),
+        hidden.data_ptr(),
+        out.data_ptr(),
+        hidden.shape[0],
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        kv_cache_layer.data_ptr(),
+        int(kv_cache_layer.dtype == torch.bfloat16),
+        block_size,
+        kv_cache_layer.stride(0),
+        kv_cache_layer.stride(1),
+        slots.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("fused decoder layer: its buffers could not be allocated")
+    return out
