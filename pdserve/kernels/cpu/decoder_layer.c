@@ -46,20 +46,9 @@ typedef struct {
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
 } PdDecoderLayer;
 
-static inline float get(const void *a, int is_bf16, int64_t i) {
-    return is_bf16 ? bf16_to_fp32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
-}
-
-static inline void put(void *a, int is_bf16, int64_t i, float v) {
-    if (is_bf16)
-        ((uint16_t *)a)[i] = fp32_to_bf16(v);
-    else
-        ((float *)a)[i] = v;
-}
-
 /* a[i] = a[i] + b[i], rounded to the dtype (torch's elementwise add). */
 static void add_into(void *a, const void *b, int is_bf16, int64_t count) {
-    for (int64_t i = 0; i < count; i++) put(a, is_bf16, i, get(a, is_bf16, i) + get(b, is_bf16, i));
+    for (int64_t i = 0; i < count; i++) put_f32(a, is_bf16, i, get_f32(a, is_bf16, i) + get_f32(b, is_bf16, i));
 }
 
 /*
@@ -97,8 +86,8 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
     if (layer->qkv_bias != NULL)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t n = 0; n < qkv_width; n++)
-                put(qkv, is_bf16, r * qkv_width + n,
-                    get(qkv, is_bf16, r * qkv_width + n) + get(layer->qkv_bias, is_bf16, n));
+                put_f32(qkv, is_bf16, r * qkv_width + n,
+                    get_f32(qkv, is_bf16, r * qkv_width + n) + get_f32(layer->qkv_bias, is_bf16, n));
     pd_rope_and_cache(qkv, is_bf16, rows, heads, kv_heads, D, cos, sin_signed, cache, cache_is_bf16, slots,
                       block_size, block_stride, half_stride);
     for (int64_t r = 0; r < rows; r++) /* the q heads of each row, contiguous for the attention */
@@ -113,11 +102,11 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
                     threads);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < I; i++) {
-            const float g = get(gate_up, is_bf16, r * 2 * I + i), up = get(gate_up, is_bf16, r * 2 * I + I + i);
+            const float g = get_f32(gate_up, is_bf16, r * 2 * I + i), up = get_f32(gate_up, is_bf16, r * 2 * I + I + i);
             /* F.silu(gate) rounded to the dtype, then times up, rounded again: as torch does */
             float silu = g / (1.0f + expf(-g));
             if (is_bf16) silu = bf16_to_fp32(fp32_to_bf16(silu));
-            put(act, is_bf16, r * I + i, silu * up);
+            put_f32(act, is_bf16, r * I + i, silu * up);
         }
     pd_quant_matmul(layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, is_bf16, threads);
     add_into(hidden_out, o, is_bf16, rows * H);

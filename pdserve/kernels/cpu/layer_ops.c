@@ -23,19 +23,6 @@
 #include "bf16.h"
 #include "kernels.h"
 
-/* Element i of a bf16 (is_bf16) or fp32 array, as fp32. */
-static inline float get(const void *a, int is_bf16, int64_t i) {
-    return is_bf16 ? bf16_to_fp32(((const uint16_t *)a)[i]) : ((const float *)a)[i];
-}
-
-/* a[i] = v, rounded to the array's dtype. */
-static inline void put(void *a, int is_bf16, int64_t i, float v) {
-    if (is_bf16)
-        ((uint16_t *)a)[i] = fp32_to_bf16(v);
-    else
-        ((float *)a)[i] = v;
-}
-
 /* v rounded to the dtype (bf16 values are exact in fp32). */
 static inline float round_to(int is_bf16, float v) { return is_bf16 ? bf16_to_fp32(fp32_to_bf16(v)) : v; }
 
@@ -54,10 +41,10 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = r * dim;
         for (int64_t j = 0; j < dim; j++) {
-            float v = get(x, is_bf16, row + j);
+            float v = get_f32(x, is_bf16, row + j);
             if (delta != NULL) {
-                v = round_to(is_bf16, v + get(delta, is_bf16, row + j));
-                put(sum_out, is_bf16, row + j, v);
+                v = round_to(is_bf16, v + get_f32(delta, is_bf16, row + j));
+                put_f32(sum_out, is_bf16, row + j, v);
             }
             s[j] = v;
         }
@@ -70,7 +57,7 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
         const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
         for (j = 0; j < dim; j++) {
             const float normed = round_to(is_bf16, s[j] * inv);
-            put(out, is_bf16, row + j, get(weight, is_bf16, j) * normed);
+            put_f32(out, is_bf16, row + j, get_f32(weight, is_bf16, j) * normed);
         }
     }
 }
@@ -95,12 +82,12 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
         const int64_t trig = r * head_dim;
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             const int64_t base = r * width + h * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) x[d] = get(qkv, is_bf16, base + d);
+            for (int64_t d = 0; d < head_dim; d++) x[d] = get_f32(qkv, is_bf16, base + d);
             for (int64_t d = 0; d < head_dim; d++) {
-                const float c = get(cos, is_bf16, trig + d), sn = get(sin_signed, is_bf16, trig + d);
+                const float c = get_f32(cos, is_bf16, trig + d), sn = get_f32(sin_signed, is_bf16, trig + d);
                 const float swapped = x[d < half ? d + half : d - half];
                 const float a = round_to(is_bf16, x[d] * c);
-                put(qkv, is_bf16, base + d, fmaf(swapped, sn, a));
+                put_f32(qkv, is_bf16, base + d, fmaf(swapped, sn, a));
             }
         }
         const int64_t slot = slots[r];
@@ -108,8 +95,8 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
         const int64_t dst = (slot / block_size) * block_stride + (slot % block_size) * kv_heads * head_dim;
         const int64_t k_src = r * width + heads * head_dim, v_src = k_src + kv_heads * head_dim;
         for (int64_t e = 0; e < kv_heads * head_dim; e++) {
-            put(cache, cache_is_bf16, dst + e, get(qkv, is_bf16, k_src + e));
-            put(cache, cache_is_bf16, dst + half_stride + e, get(qkv, is_bf16, v_src + e));
+            put_f32(cache, cache_is_bf16, dst + e, get_f32(qkv, is_bf16, k_src + e));
+            put_f32(cache, cache_is_bf16, dst + half_stride + e, get_f32(qkv, is_bf16, v_src + e));
         }
     }
 }
