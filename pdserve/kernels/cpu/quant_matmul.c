@@ -518,6 +518,9 @@ static inline __attribute__((always_inline)) void cols_dots_avx2(int kind, const
     int64_t base = 0;
     for (int c = 0; c < COLS_PER_TILE; c++) acc[c][0] = acc[c][1] = d8[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        /* Unrolled, so that every column's accumulators and scales stay in registers: rolled,
+         * GCC kept them on the stack (3.2 ns a block at one row; 2.5 unrolled). */
+#pragma GCC unroll 4
         for (int c = 0; c < COLS_PER_TILE; c++) {
             const uint8_t *w_row = w + c * row_bytes;
             if (kind == 0 && b % 4 == 0) { /* the next tile's row, a cache line at a time: its
