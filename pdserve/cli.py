@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from pdserve.config import QUANTIZATION_CHOICES
+
 
 def _generate(args: argparse.Namespace) -> int:
     if args.router:
@@ -105,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--quantization",
         default=None,
-        choices=["auto", "none", "gguf", "int8"],
+        choices=list(QUANTIZATION_CHOICES),
         help="auto (the default: a GGUF file's blocks where the kernels build), weights as they are in "
-        "the GGUF file (gguf), int8 blocks made at load, or dense (none)",
+        "the GGUF file (gguf), int8 blocks made at load, or dense (none); -a8: the same weights with "
+        "int8 activations in the decode matmuls",
     )
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

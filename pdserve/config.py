@@ -21,7 +21,10 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # How the weights are held: dense in the dtype, a GGUF file's own quantized blocks, or int8
 # blocks made at load (pdserve.engine.model.quant_linear); "auto" (the default) serves a GGUF
 # file's blocks as they are where the kernels run (pdserve.engine.model.loader.resolve_quantization).
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+# The "-a8" modes hold the weights the same way and, opt-in, quantize the activations to int8 per
+# 32 inside the decode matmuls (llama.cpp's Q8_1; pdserve/kernels/cpu/int8_activations.c).
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "gguf-a8", "int8-a8")
+INT8_ACTIVATIONS_SUFFIX = "-a8"
 # Set the defaults of ``--dtype`` / ``LLM(dtype=...)`` and ``--quantization`` for every engine
 # started from this environment (a test suite that compares tokens with transformers' dense fp32
 # pins float32 and none this way).
@@ -37,6 +40,14 @@ def default_dtype() -> str:
 def default_quantization() -> str:
     """``$PDSERVE_QUANTIZATION`` if set, else ``"auto"``."""
     return os.environ.get(QUANTIZATION_ENV, "").strip() or "auto"
+
+
+def split_quantization(name: str) -> tuple[str, bool]:
+    """``"gguf-a8"`` -> ``("gguf", True)``: how the weights are held, and whether the decode
+    matmuls quantize activations to int8 (``"gguf"`` -> ``("gguf", False)``)."""
+    if name.endswith(INT8_ACTIVATIONS_SUFFIX):
+        return name.removesuffix(INT8_ACTIVATIONS_SUFFIX), True
+    return name, False
 
 
 def _require_positive(**values: int) -> None:
@@ -129,8 +140,9 @@ class ModelConfig:
     # "auto": bf16 where the CPU multiplies it natively, else fp32 (resolved by the process that
     # loads the weights: ``pdserve.engine.cpu_resources.resolve_dtype``).
     dtype: str = field(default_factory=default_dtype)
-    # Weight-only: activations and the KV cache stay in ``dtype`` whatever this is. "auto":
-    # resolved by the process that loads the weights (``loader.resolve_quantization``).
+    # Activations between ops and the KV cache stay in ``dtype`` whatever this is (the "-a8"
+    # modes quantize x to int8 inside the decode matmuls only). "auto": resolved by the process
+    # that loads the weights (``loader.resolve_quantization``).
     quantization: str = field(default_factory=default_quantization)
 
     def __post_init__(self) -> None:
@@ -140,8 +152,9 @@ class ModelConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
         # (A directory may hold one .gguf file: the loader resolves it.)
         path = self.path
-        if self.quantization == "gguf" and path and not path.endswith(".gguf") and not os.path.isdir(path):
-            raise ValueError(f"quantization 'gguf' needs a .gguf model file, got {path!r}")
+        held, _ = split_quantization(self.quantization)
+        if held == "gguf" and path and not path.endswith(".gguf") and not os.path.isdir(path):
+            raise ValueError(f"quantization {self.quantization!r} needs a .gguf model file, got {path!r}")
 
 
 @dataclass

@@ -26,7 +26,9 @@ class LLM:
     ``SchedulerConfig`` and ``CacheConfig`` plus ``dtype`` (default ``"auto"``: bf16 where the
     CPU has native bf16, else fp32) and ``quantization`` (default ``"auto"``: a GGUF file's
     blocks where the kernels build, else dense; ``"none"``: dense, ``"gguf"``: a GGUF file's
-    quantized blocks as they are, ``"int8"``: Q8_0 blocks made at load). Torch's threads are
+    quantized blocks as they are, ``"int8"``: Q8_0 blocks made at load; ``"gguf-a8"`` and
+    ``"int8-a8"``: the same weights, with activations quantized to int8 per 32 inside the decode
+    matmuls, as llama.cpp does). Torch's threads are
     left as this process has them.
     """
 

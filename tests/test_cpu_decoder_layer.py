@@ -20,7 +20,7 @@ from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.llama import LlamaDecoderLayer
-from pdserve.engine.model.quant_linear import QuantLinear
+from pdserve.engine.model.quant_linear import QuantLinear, use_int8_activations
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels import cpu_build, cpu_decoder_layer
 
@@ -42,8 +42,11 @@ CONFIG = ModelArchConfig(
 )
 
 
-def quantized_layer(dtype: torch.dtype, ggml_type: GGML, bias: bool, seed: int = 0) -> LlamaDecoderLayer:
-    """A decoder layer of CONFIG with random weights, its projections held as ``ggml_type`` blocks."""
+def quantized_layer(
+    dtype: torch.dtype, ggml_type: GGML, bias: bool, seed: int = 0, int8_activations: bool = False
+) -> LlamaDecoderLayer:
+    """A decoder layer of CONFIG with random weights, its projections held as ``ggml_type`` blocks
+    (quantizing their activations to int8 with ``int8_activations``: ``--quantization gguf-a8``)."""
     config = ModelArchConfig(**{**CONFIG.to_dict(), "attention_bias": bias})
     gen = torch.Generator().manual_seed(seed)
     layer = LlamaDecoderLayer(config)
@@ -60,6 +63,8 @@ def quantized_layer(dtype: torch.dtype, ggml_type: GGML, bias: bool, seed: int =
         kind, blocks = to_kernel_blocks(ggml_type, raw, out_features, in_features)
         b = None if dense.bias is None else (0.1 * torch.randn(out_features, generator=gen)).to(dtype)
         setattr(owner, name, QuantLinear(kind, blocks, in_features, b))
+    if int8_activations:
+        use_int8_activations(layer)
     return layer.eval()
 
 
@@ -68,7 +73,7 @@ def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1):
     contexts of different lengths over a two-layer cache (the layer's view steps over the
     other layer, as the engine's does), whose earlier positions hold random K/V."""
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim
+    kv_heads, head_dim = CONFIG.num_kv_heads, CONFIG.head_dim
     cache = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
     lens = [5 + 23 * i for i in range(rows)]  # context incl. the new token: 5, 28, 51, ...
     tables, slots = [], []
@@ -94,7 +99,6 @@ def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1):
         prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
     )
     hidden = torch.randn(rows, CONFIG.hidden_size, generator=gen).to(dtype)
-    del heads
     return hidden, cos, sin_signed, cache, meta
 
 
@@ -112,12 +116,14 @@ def per_op(layer: LlamaDecoderLayer, *args) -> torch.Tensor:
 @pytest.mark.parametrize("ggml_type", [GGML.Q4_1, GGML.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-bias"])
-def test_the_fused_layer_computes_what_the_per_op_path_does(dtype, ggml_type, rows, bias):
-    layer = quantized_layer(dtype, ggml_type, bias)
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+def test_the_fused_layer_computes_what_the_per_op_path_does(dtype, ggml_type, rows, bias, int8_activations):
+    layer = quantized_layer(dtype, ggml_type, bias, int8_activations=int8_activations)
     hidden, cos, sin_signed, cache, meta = decode_inputs(rows, dtype)
     reference_cache = cache.clone()
     with torch.inference_mode():
         assert layer.fused() is not None
+        assert layer.fused().args.int8_activations == int8_activations
         assert cpu_decoder_layer.serves(layer.fused(), hidden, cos, cache[:, 1], meta, max_rows=16)
         got = layer(hidden, cos, sin_signed, cache[:, 1], meta)
         want = per_op(layer, hidden, cos, sin_signed, reference_cache[:, 1], meta)
@@ -130,8 +136,9 @@ def test_the_fused_layer_computes_what_the_per_op_path_does(dtype, ggml_type, ro
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_rows_result_does_not_depend_on_its_batch(dtype):
-    layer = quantized_layer(dtype, GGML.Q4_1, bias=False)
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+def test_a_rows_result_does_not_depend_on_its_batch(dtype, int8_activations):
+    layer = quantized_layer(dtype, GGML.Q4_1, bias=False, int8_activations=int8_activations)
     hidden, cos, sin_signed, cache, meta = decode_inputs(5, dtype)
     with torch.inference_mode():
         together = layer(hidden, cos, sin_signed, cache.clone()[:, 1], meta)
@@ -164,16 +171,20 @@ def test_passes_the_fused_layer_cannot_take_keep_the_per_op_path():
     assert not cpu_decoder_layer.serves(fused, hidden.bfloat16(), cos, cache[:, 1], meta, max_rows=16)
     dense = LlamaDecoderLayer(CONFIG)  # nn.Linear projections: nothing for the C kernel to read
     assert dense.fused() is None
+    mixed = quantized_layer(torch.float32, GGML.Q4_1, bias=False)
+    mixed.mlp.down_proj.int8_activations = True  # one projection's x in int8, the others' not
+    assert mixed.fused() is None
 
 
-def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("quantization", ["int8", "int8-a8"])
+def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monkeypatch, quantization):
     """End to end: greedy tokens of an int8 engine (decodes of one and of three sequences) are
-    the same with the fused layer and without it."""
+    the same with the fused layer and without it, with activations in fp32 or in int8."""
     prompts = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 12, 10, 9]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def tokens() -> list[list[int]]:
-        llm = LLM(tiny_model_dir, quantization="int8", num_blocks=64)
+        llm = LLM(tiny_model_dir, quantization=quantization, num_blocks=64)
         return [out.token_ids for out in llm.generate(prompts, params)] + [
             llm.generate([prompts[0]], params)[0].token_ids
         ]

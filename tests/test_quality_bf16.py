@@ -69,15 +69,18 @@ def read_text() -> str:
 
 
 @functools.cache
-def measure_quality(dtype: str, quantization: str) -> tuple[quality.PerplexityResult, list[list[int]]]:
+def measure_quality(
+    dtype: str, quantization: str, chunk: int | None = None
+) -> tuple[quality.PerplexityResult, list[list[int]]]:
     """Perplexity of the text and greedy completions of the prompts for the bundled model in
-    one setting; cached for the session (the fp32 reference serves the quantization tests too)."""
+    one setting; cached for the session (the fp32 reference serves the quantization tests too).
+    ``chunk``: tokens a forward pass in the perplexity run (``quality.perplexity``)."""
     from pdserve import LLM
 
     # dtype explicit: LLM's default may follow the CPU ("auto").
     llm = LLM(None, dtype=dtype, quantization=quantization, max_model_len=512, num_blocks=256)
     loaded = llm.engine.loaded
-    ppl = quality.perplexity(loaded, loaded.tokenizer.encode(read_text()), window=WINDOW)
+    ppl = quality.perplexity(loaded, loaded.tokenizer.encode(read_text()), window=WINDOW, chunk=chunk)
     prompts = quality.load_prompts(PROMPTS_PATH, loaded.tokenizer)
     return ppl, quality.greedy_completions(llm, prompts, MAX_NEW_TOKENS)
 

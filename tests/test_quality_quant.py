@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.model import quality
+from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS
 from pdserve.kernels import cpu_quant
 from tests.test_quality_bf16 import (
     MIN_FRACTION_FIRST_4,
@@ -38,20 +39,29 @@ pytestmark = [
     pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler to build the kernels"),
 ]
 
-MAX_PPL_CHANGE = {"gguf": 0.005, "int8": 0.01}  # |ppl / ppl_fp32_dense - 1|
+# |ppl / ppl_fp32_dense - 1|: the file's blocks, with int8 activations too, are held to the
+# issue's bound for the file's own numbers.
+MAX_PPL_CHANGE = {"gguf": 0.005, "int8": 0.01, "gguf-a8": 0.005}
 SETTINGS = [
     ("float32", "gguf"),
     pytest.param("bfloat16", "gguf", marks=needs_native_bf16),
     ("float32", "int8"),
+    ("float32", "gguf-a8"),
 ]
+SETTING_IDS = ["float32/gguf", "bfloat16/gguf", "float32/int8", "float32/gguf-a8"]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "quantization"), SETTINGS, ids=["float32/gguf", "bfloat16/gguf", "float32/int8"]
-)
+def perplexity_chunk(quantization: str) -> int | None:
+    """The "-a8" modes quantize activations in the decode kernels only, which a whole-window
+    prefill does not run: their perplexity is taken in chunks the kernels take, as decode
+    steps would run them (``quality.perplexity``'s ``chunk``)."""
+    return KERNEL_MAX_ROWS if quantization.endswith("-a8") else None
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), SETTINGS, ids=SETTING_IDS)
 def test_quantized_perplexity_within_budget_of_fp32(dtype, quantization):
     reference, _ = measure_quality("float32", "none")
-    candidate, _ = measure_quality(dtype, quantization)
+    candidate, _ = measure_quality(dtype, quantization, perplexity_chunk(quantization))
     change = candidate.increase_over(reference)
     assert abs(change) <= MAX_PPL_CHANGE[quantization], (
         f"{dtype}/{quantization} perplexity {candidate.ppl:.4f} vs fp32 {reference.ppl:.4f}: {change:+.3%}"
@@ -60,12 +70,10 @@ def test_quantized_perplexity_within_budget_of_fp32(dtype, quantization):
         assert change == 0.0  # the file's own numbers, and prefill runs the same GEMM on them
 
 
-@pytest.mark.parametrize(
-    ("dtype", "quantization"), SETTINGS, ids=["float32/gguf", "bfloat16/gguf", "float32/int8"]
-)
+@pytest.mark.parametrize(("dtype", "quantization"), SETTINGS, ids=SETTING_IDS)
 def test_quantized_greedy_completions_track_fp32(dtype, quantization):
     _, reference = measure_quality("float32", "none")
-    _, candidate = measure_quality(dtype, quantization)
+    _, candidate = measure_quality(dtype, quantization, perplexity_chunk(quantization))
     agreement = quality.greedy_agreement(reference, candidate)
     detail = f"matched prefixes {agreement.matched_prefix} of {agreement.reference_lengths}"
     assert agreement.mean_first_divergence >= MIN_MEAN_FIRST_DIVERGENCE, detail

@@ -81,6 +81,25 @@ def test_int8_from_an_hf_checkpoint_tracks_the_dense_model(tiny_model_dir):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
+def test_int8_activations_hold_the_same_weights_and_change_only_the_kernels_rows(tiny_model_dir):
+    """``int8-a8``: the int8 mode's blocks, with x quantized to int8 in the decode kernel (rows
+    up to KERNEL_MAX_ROWS); longer prefill chunks decode the blocks for the same GEMM as int8."""
+    int8 = load_model(tiny_model_dir, dtype="float32", quantization="int8")
+    a8 = load_model(tiny_model_dir, dtype="float32", quantization="int8-a8")
+    assert a8.quantization == "int8-a8" and "int8 activations" in a8.weights
+    assert "int8 activations" not in int8.weights and a8.weight_bytes == int8.weight_bytes
+    prompt = list(range(3, 40))
+    assert torch.equal(
+        prefill_logits(a8.model, a8.arch, prompt), prefill_logits(int8.model, int8.arch, prompt)
+    )
+    got, exact = (
+        prefill_logits(a8.model, a8.arch, prompt[:5]),
+        prefill_logits(int8.model, int8.arch, prompt[:5]),
+    )
+    assert not torch.equal(got, exact)  # x was rounded to int8 ...
+    assert (got - exact).abs().max() < 0.1  # ... by 1/254 of each 32's largest value at most
+
+
 def test_bad_quantization_settings_fail_up_front(tiny_model_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="q4")
@@ -88,6 +107,10 @@ def test_bad_quantization_settings_fail_up_front(tiny_model_dir):
         load_model(tiny_model_dir, quantization="gguf")  # an HF directory has no GGUF blocks
     with pytest.raises(ValueError, match=r"needs a \.gguf"):
         ModelConfig(path="/models/model.safetensors", quantization="gguf")
+    with pytest.raises(ValueError, match=r"'gguf-a8' needs a \.gguf"):
+        ModelConfig(path="/models/model.safetensors", quantization="gguf-a8")
+    with pytest.raises(ValueError, match=r"needs a \.gguf"):
+        load_model(tiny_model_dir, quantization="gguf-a8")
 
 
 def test_prefill_with_int8_weights_hands_kv_to_a_dense_decode_engine(tiny_model_dir, tiny_llm):

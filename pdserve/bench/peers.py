@@ -18,6 +18,8 @@ one after the other, each on fresh processes bound to 127.0.0.1 and otherwise at
 - ``gguf-cluster``, ``gguf-colocated``: ``default-cluster`` and ``colocated`` with
   ``--gguf-engine-args`` (default ``--quantization gguf``) after ``--engine-args`` on every engine,
   passed through as they are: pdserve serving the GGUF's own blocks, next to llama.cpp;
+- ``gguf-a8-cluster``, ``gguf-a8-colocated``: the same with ``--quantization gguf-a8`` (the
+  file's blocks, activations quantized to int8 in the decode matmuls as llama.cpp does);
 - ``dense-cluster``, ``dense-colocated``: the same with ``--quantization none`` (dense weights
   in ``--dtype``, what the defaults served before ``--quantization auto``).
 
@@ -78,8 +80,8 @@ from pdserve.bench.peers_report import (
 from pdserve.bench.report import default_path, save_json
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
-SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated", "dense-cluster",
-          "dense-colocated")  # fmt: skip
+SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated", "gguf-a8-cluster",
+          "gguf-a8-colocated", "dense-cluster", "dense-colocated")  # fmt: skip
 DEFAULT_SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated")
 # {variant: the pdserve setup it runs}: the same processes with --gguf-engine-args on each engine.
 GGUF_VARIANTS = {"gguf-cluster": "default-cluster", "gguf-colocated": "colocated"}
@@ -87,6 +89,9 @@ DEFAULT_GGUF_ENGINE_ARGS = "--quantization gguf"
 # The same with dense weights on every engine (--quantization none: the default until "auto").
 DENSE_VARIANTS = {"dense-cluster": "default-cluster", "dense-colocated": "colocated"}
 DENSE_ENGINE_ARGS = "--quantization none"
+# The file's blocks with int8 activations in the decode matmuls (opt-in, llama.cpp's arithmetic).
+A8_VARIANTS = {"gguf-a8-cluster": "default-cluster", "gguf-a8-colocated": "colocated"}
+A8_ENGINE_ARGS = "--quantization gguf-a8"
 DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
 HOST = "127.0.0.1"
 SERVED_NAME = "SmolLM2-135M-Instruct"  # vLLM's --served-model-name and llama-server's --alias
@@ -141,6 +146,8 @@ def engine_args_of(setup: str, args: argparse.Namespace) -> str:
         return f"{args.engine_args} {args.gguf_engine_args}".strip()
     if setup in DENSE_VARIANTS:
         return f"{args.engine_args} {DENSE_ENGINE_ARGS}".strip()
+    if setup in A8_VARIANTS:
+        return f"{args.engine_args} {A8_ENGINE_ARGS}".strip()
     return str(args.engine_args)
 
 
@@ -148,7 +155,7 @@ def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
     """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
     args, timeout = ctx.args, ctx.args.startup_timeout
     model = ["--model", args.model] if args.model else []
-    kind = GGUF_VARIANTS.get(setup) or DENSE_VARIANTS.get(setup, setup)
+    kind = GGUF_VARIANTS.get(setup) or A8_VARIANTS.get(setup) or DENSE_VARIANTS.get(setup, setup)
     engine_args_str = engine_args_of(setup, args)
     engine_args = shlex.split(engine_args_str)
 

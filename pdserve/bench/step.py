@@ -34,6 +34,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
+from pdserve.config import QUANTIZATION_CHOICES
 from pdserve.engine.cpu_resources import cpu_flags, has_native_bf16
 from pdserve.engine.model.linear import PackedLinear
 from pdserve.engine.model.quant_linear import QuantLinear
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quantizations",
         nargs="+",
         default=None,
-        choices=["none", "gguf", "int8"],
+        choices=[q for q in QUANTIZATION_CHOICES if q != "auto"],
         help="default: none, plus gguf when the model is a GGUF file (the bundled one is)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])

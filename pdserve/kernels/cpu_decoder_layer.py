@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve import kernels
 from pdserve.kernels import cpu_attention, cpu_layer_ops
 from pdserve.kernels.cpu_build import CLibrary
 from pdserve.kernels.cpu_quant import BlockKind
@@ -52,6 +51,7 @@ class LayerArgs(ctypes.Structure):
         ("o_kind", ctypes.c_int32),
         ("gate_up_kind", ctypes.c_int32),
         ("down_kind", ctypes.c_int32),
+        ("int8_activations", ctypes.c_int32),
     ]
 
 
@@ -67,7 +67,7 @@ KERNELS = CLibrary(
     "decoder_layer.c",
     _declare,
     "fused decoder layer",
-    links=("quant_matmul.c", "layer_ops.c", "paged_attention.c"),
+    links=("quant_matmul.c", "int8_activations.c", "layer_ops.c", "paged_attention.c"),
 )
 
 
@@ -97,6 +97,7 @@ class PreparedLayer:
         gate_up: BlockWeight,
         down: BlockWeight,
         qkv_bias: torch.Tensor | None = None,
+        int8_activations: bool = False,
     ) -> None:
         norms = (input_norm.detach().contiguous(), post_norm.detach().contiguous())
         bias = None if qkv_bias is None else qkv_bias.detach().contiguous()
@@ -127,6 +128,7 @@ class PreparedLayer:
             o_kind=int(o.kind),
             gate_up_kind=int(gate_up.kind),
             down_kind=int(down.kind),
+            int8_activations=int(int8_activations),
         )
 
 
@@ -144,7 +146,9 @@ def serves(
     max_rows: int,
 ) -> bool:
     """True when ``decoder_layer`` runs this call: every token a decode, 1 to ``max_rows`` of
-    them, activations (and RoPE tables) in the layer's dtype, and the C ops taking the tensors."""
+    them, activations (and RoPE tables) in the layer's dtype, and the C ops taking the tensors
+    (``cpu_layer_ops.serves`` also says no to a forced ``PDSERVE_KERNELS`` backend; that the
+    library loads was asked when the layer was prepared, ``LlamaDecoderLayer.fused``)."""
     rows = hidden.shape[0]
     args = prepared.args
     return (
@@ -153,8 +157,6 @@ def serves(
         and cos.dtype == hidden.dtype == prepared.dtype
         and cpu_layer_ops.serves(hidden)
         and cpu_attention.serves_heads(args.heads, args.head_dim, kv_cache_layer)
-        and kernels.forced_backend() not in ("torch", "triton")
-        and KERNELS.available()
     )
 
 

@@ -39,9 +39,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_quant_matmul.restype = None
     lib.pd_quant_dequant.argtypes = [cint, ptr, i64, ptr, i64, ptr, cint, cint]
     lib.pd_quant_dequant.restype = None
+    lib.pd_quant_matmul_a8.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
+    lib.pd_quant_matmul_a8.restype = cint
 
 
-KERNELS = CLibrary("quant_matmul.c", _declare, "quantized-weight matmuls")
+KERNELS = CLibrary("quant_matmul.c", _declare, "quantized-weight matmuls", links=("int8_activations.c",))
 
 
 def library() -> ctypes.CDLL:
@@ -65,12 +67,19 @@ def check_blocks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> Non
 
 
 def quant_matmul(
-    x: torch.Tensor, kind: BlockKind, blocks: torch.Tensor, in_features: int, checked: bool = False
+    x: torch.Tensor,
+    kind: BlockKind,
+    blocks: torch.Tensor,
+    in_features: int,
+    checked: bool = False,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T`` for ``W`` held as ``blocks [N, K / 32 * block_bytes]``; same dtype as x.
 
     ``checked``: the blocks were validated when their holder was made (``QuantLinear``), so the
-    per-step call skips it (at one row the Python around the kernel is a fifth of its time)."""
+    per-step call skips it (at one row the Python around the kernel is a fifth of its time).
+    ``int8_activations``: x is quantized to int8 per block of 32 first (llama.cpp's Q8_1, see
+    ``kernels/cpu/int8_activations.c``; ``quant_matmul_a8_ref`` says what it computes)."""
     if not checked:
         check_blocks(kind, blocks, in_features)
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -79,7 +88,8 @@ def quant_matmul(
     rows, out_features = x.shape[0], blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
     is_bf16 = int(x.dtype == torch.bfloat16)
-    library().pd_quant_matmul(
+    matmul = library().pd_quant_matmul_a8 if int8_activations else library().pd_quant_matmul
+    status = matmul(
         int(kind),
         x.data_ptr(),
         is_bf16,
@@ -91,6 +101,8 @@ def quant_matmul(
         is_bf16,
         torch.get_num_threads(),
     )
+    if status:  # pd_quant_matmul returns nothing (None); pd_quant_matmul_a8 0, or -1
+        raise MemoryError("quantized matmul: its buffers could not be allocated")
     return out
 
 
@@ -161,3 +173,37 @@ def quant_matmul_ref(
 ) -> torch.Tensor:
     """``quant_matmul`` by dequantizing to fp32 and one fp32 matmul."""
     return (x.float() @ dequantize_ref(kind, blocks, in_features).T).to(x.dtype)
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, d, s)``: x ``[M, K]`` per block of 32 as ``int8_activations`` quantizes it: ``d =
+    max|x| / 127``, ``q = round(x * (1 / d))`` (ties to even; 0 where d is 0), ``s = d * sum(q)``;
+    q ``[M, K / 32, 32]``, d and s ``[M, K / 32]``, all fp32."""
+    values = x.float().reshape(x.shape[0], -1, BLOCK_SIZE)
+    scale = values.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(values * inverse[..., None])
+    return q, scale, scale * q.sum(dim=-1)
+
+
+def quant_matmul_a8_ref(
+    x: torch.Tensor, kind: BlockKind, blocks: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """``quant_matmul(..., int8_activations=True)`` in float64: ``sum_b dw d (q . xq) + m s`` per
+    block (m: Q4_1's minimum, 0 for Q8_0), every product exact but the last rounding."""
+    check_blocks(kind, blocks, in_features)
+    q, scale, q_sum = (t.double() for t in quantize_activations_ref(x))
+    rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
+    if kind is BlockKind.Q4_1:
+        nibbles = blocks[:, : in_features // 2].reshape(rows, num_blocks, 16).to(torch.int32)
+        weight_q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).double()
+        scales = blocks[:, in_features // 2 :].contiguous().view(torch.float16).double()
+        weight_d, weight_m = scales[:, :num_blocks], scales[:, num_blocks:]
+    else:
+        per_block = blocks.view(rows, num_blocks, kind.block_bytes)
+        weight_d = per_block[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
+        weight_q = per_block[..., 2:].contiguous().view(torch.int8).double()
+        weight_m = torch.zeros_like(weight_d)
+    dots = torch.einsum("mbj,nbj->mnb", q, weight_q)  # exact integers
+    out = (dots * weight_d[None] * scale[:, None]).sum(-1) + (weight_m[None] * q_sum[:, None]).sum(-1)
+    return out.to(x.dtype)

@@ -156,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
     def fused(self) -> cpu_decoder_layer.PreparedLayer | None:
         """The layer as ``cpu_decoder_layer`` runs it in one C call, or None when it cannot:
         its four projections must be block-held ones the C kernel reads (``--quantization``),
-        with a bias on q/k/v at most. Asked once, after the weights are in place (the first
+        alike in their activations (``int8_activations``), with a bias on q/k/v at most. Asked once, after the weights are in place (the first
         forward pass)."""
         if not self._fused_asked:
             self._fused_asked = True
@@ -166,6 +166,7 @@ class LlamaDecoderLayer(nn.Module):
             blocks = [cpu_decoder_layer.BlockWeight(p.kind, p.blocks) for p in held]
             if (
                 len(blocks) == len(projections)
+                and len({p.int8_activations for p in held}) == 1
                 and all(p.bias is None for p in projections[1:])
                 and self.input_layernorm.eps == self.post_attention_layernorm.eps
                 and cpu_decoder_layer.available()
@@ -183,6 +184,7 @@ class LlamaDecoderLayer(nn.Module):
                     gate_up=blocks[2],
                     down=blocks[3],
                     qkv_bias=attn.qkv_proj.bias,
+                    int8_activations=held[0].int8_activations,
                 )
         return self._fused
 

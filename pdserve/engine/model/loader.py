@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import QUANTIZATION_CHOICES, ModelConfig
+from pdserve.config import QUANTIZATION_CHOICES, ModelConfig, split_quantization
 from pdserve.engine.cpu_resources import resolve_dtype
 from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
@@ -21,6 +21,7 @@ from pdserve.engine.model.llama import LlamaForCausalLM, build_model
 from pdserve.engine.model.quant_linear import (
     describe_weights,
     quantize_int8,
+    use_int8_activations,
     weight_bytes,
 )
 from pdserve.engine.model.tokenizer import Tokenizer
@@ -90,7 +91,8 @@ def load_model(
 
     ``quantization``: ``none`` dequantises everything to ``dtype``; ``gguf`` keeps a GGUF file's
     Q8_0 / Q4_0 / Q4_1 / Q4_K tensors as blocks; ``int8`` makes Q8_0 blocks (int8, one scale
-    per 32 weights) of every projection and the embedding, from any checkpoint.
+    per 32 weights) of every projection and the embedding, from any checkpoint; ``gguf-a8`` and
+    ``int8-a8`` hold the same blocks and quantize activations to int8 in the decode matmuls.
     """
     if quantization not in QUANTIZATION_CHOICES or quantization == "auto":
         raise ValueError(
@@ -99,32 +101,35 @@ def load_model(
         )
     torch_dtype = parse_dtype(dtype)
     path = _resolve(path)
-    if quantization == "gguf" and not path.endswith(".gguf"):
-        raise ValueError(f"--quantization gguf needs a .gguf file; {path} is not one (try int8)")
+    held, int8_activations = split_quantization(quantization)
+    if held == "gguf" and not path.endswith(".gguf"):
+        raise ValueError(f"--quantization {quantization} needs a .gguf file; {path} is not one (try int8)")
     start = time.perf_counter()
     logger.info("loading model %s (%s, quantization %s)", path, torch_dtype, quantization)
     if path.endswith(".gguf"):
         reader = open_gguf(path)  # parsed once, shared by weights and tokenizer
         logger.info("  parsed GGUF header (%.1fs)", time.perf_counter() - start)
-        if quantization == "gguf":
+        if held == "gguf":
             arch, dense, blocks = load_gguf_blocks(path, torch_dtype, reader=reader)
             model = build_model(arch, dense, torch_dtype, blocks=blocks)
             logger.info("  kept %d tensors as blocks (%.1fs)", len(blocks), time.perf_counter() - start)
         else:
             # int8 quantizes from fp32, so that only its own rounding is added.
-            load_dtype = torch.float32 if quantization == "int8" else torch_dtype
+            load_dtype = torch.float32 if held == "int8" else torch_dtype
             arch, state = load_gguf(path, load_dtype, reader=reader)
             logger.info("  dequantised %d tensors (%.1fs)", len(state), time.perf_counter() - start)
         tokenizer = Tokenizer.from_gguf(path, reader=reader)
     else:
-        arch, state = load_hf_dir(path, torch.float32 if quantization == "int8" else torch_dtype)
+        arch, state = load_hf_dir(path, torch.float32 if held == "int8" else torch_dtype)
         logger.info("  read %d tensors (%.1fs)", len(state), time.perf_counter() - start)
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    if quantization == "int8":
+    if held == "int8":
         dense, blocks = quantize_int8(state)
         model = build_model(arch, dense, torch_dtype, blocks=blocks)
-    elif quantization == "none":
+    elif held == "none":
         model = build_model(arch, state, dtype=torch_dtype)
+    if int8_activations:
+        use_int8_activations(model)
     # The model's own ids win: the tokenizer files may not say which token ends a turn.
     if arch.eos_token_id is not None:
         tokenizer.eos_token_id = arch.eos_token_id

@@ -70,6 +70,7 @@ def perplexity(
     window: int = 1024,
     stride: int | None = None,
     block_size: int = 16,
+    chunk: int | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``token_ids`` under ``loaded.model``, in windows of one prefill each.
 
@@ -89,6 +90,13 @@ def perplexity(
     Each window is a fresh sequence at positions ``0..len-1`` in its own paged KV cache (one
     prefill, no cached prefix), run through ``LlamaForCausalLM.forward`` exactly as the runner
     would run a single prompt; logits are float32 and the log-softmax is taken in float32.
+
+    ``chunk``: at most this many tokens a forward pass, each chunk attending to the window's
+    earlier ones in the cache (chunked prefill; None: the whole window at once). Chunks within
+    the quantized kernels' row limit (``quant_linear.KERNEL_MAX_ROWS``) run every projection and
+    the LM head through the decode kernels, as a decode step does, where a whole-window prefill
+    decodes the blocks for a dense GEMM instead: what ``--quantization gguf-a8`` changes is then
+    measured too.
     """
     num_preds = len(token_ids) - 1
     if num_preds < 1:
@@ -99,6 +107,8 @@ def perplexity(
     max_positions = loaded.arch.max_position_embeddings
     if window > max_positions:
         raise ValueError(f"window {window} exceeds the model's {max_positions} positions")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
     model = loaded.model
     device, dtype = model.model.norm.weight.device, model.dtype
 
@@ -115,9 +125,14 @@ def perplexity(
             end = min(end + (window if end == 0 else stride), num_preds)
             begin = max(0, end - window)
             length = end - begin
-            meta = _single_prefill_metadata(length, block_size, device)
-            positions = torch.arange(length, dtype=torch.long, device=device)
-            hidden = model(ids[begin:end], positions, kv_cache, meta)  # [length, hidden]
+            step = length if chunk is None else chunk
+            parts = []
+            for start in range(0, length, step):
+                stop = min(start + step, length)
+                meta = _prefill_metadata(start, stop - start, block_size, device)
+                positions = torch.arange(start, stop, dtype=torch.long, device=device)
+                parts.append(model(ids[begin + start : begin + stop], positions, kv_cache, meta))
+            hidden = torch.cat(parts)  # [length, hidden]
             first = scored_to - begin  # rows already scored by an earlier window are skipped
             for row in range(first, length, _LOGIT_ROWS):
                 rows = slice(row, min(row + _LOGIT_ROWS, length))
@@ -137,18 +152,20 @@ def perplexity(
     )
 
 
-def _single_prefill_metadata(length: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """One prefill of ``length`` tokens at positions ``0..length-1`` in blocks ``0, 1, ...``
-    (what ``ModelRunner._attention_metadata`` builds for a lone new prompt)."""
-    num_blocks = -(-length // block_size)
+def _prefill_metadata(start: int, length: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """One prefill chunk of ``length`` tokens at positions ``start..start+length-1`` of a
+    sequence in blocks ``0, 1, ...``, positions before ``start`` already in the cache (what
+    ``ModelRunner._attention_metadata`` builds for a lone prompt's chunk)."""
+    seq_len = start + length
+    num_blocks = -(-seq_len // block_size)
     return AttentionMetadata(
-        slot_mapping=torch.arange(length, dtype=torch.long, device=device),
+        slot_mapping=torch.arange(start, seq_len, dtype=torch.long, device=device),
         num_decode_tokens=0,
         decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
         decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
         prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
         prefill_query_start_loc=torch.tensor([0, length], dtype=torch.int32, device=device),
-        prefill_seq_lens=torch.tensor([length], dtype=torch.int32, device=device),
+        prefill_seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
     )
 
 

@@ -9,6 +9,11 @@ leave activations in the model's dtype:
 * more rows (prefill chunks) are compute-bound, so the blocks are decoded once to the
   activations' dtype and multiplied by torch's GEMM, whose arithmetic outruns the kernel's.
 
+``--quantization gguf-a8 / int8-a8`` (``use_int8_activations``) opts in to one more rounding:
+the kernel's x quantized to int8 per block of 32, as llama.cpp does, whose integer dots need a
+fraction of the fp32 arithmetic (``kernels/cpu/int8_activations.c``). Prefill chunks are not
+affected; what it costs in quality is measured in tests/test_quality_quant.py.
+
 The tied embedding and LM head share one block tensor, counted once.
 """
 
@@ -68,11 +73,19 @@ class QuantLinear(nn.Module):
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = cpu_quant.available()
+        self.int8_activations = False  # use_int8_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.use_kernel and rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = cpu_quant.quant_matmul(rows, self.kind, self.blocks, self.in_features, checked=True)
+            out = cpu_quant.quant_matmul(
+                rows,
+                self.kind,
+                self.blocks,
+                self.in_features,
+                checked=True,
+                int8_activations=self.int8_activations,
+            )
             if self.bias is not None:
                 out = out + self.bias
         else:
@@ -81,7 +94,8 @@ class QuantLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks"
+        activations = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks{activations}"
 
 
 class QuantEmbedding(nn.Module):
@@ -149,6 +163,17 @@ def quantize_int8(
     return {name: t for name, t in state_dict.items() if name not in blocks}, blocks
 
 
+def use_int8_activations(model: nn.Module) -> None:
+    """Make every block-held projection and LM head of ``model`` quantize its activations to
+    int8 in the decode kernel (``--quantization gguf-a8 / int8-a8``); before the first forward
+    pass, which fixes each layer's fused call (``LlamaDecoderLayer.fused``)."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not linears:
+        raise ValueError("int8 activations need block-held weights (--quantization gguf-a8 or int8-a8)")
+    for linear in linears:
+        linear.int8_activations = True
+
+
 def describe_weights(model: nn.Module) -> str:
     """What the weights are held as, for logs and handshakes: e.g. ``Q4_1 x210, Q8_0 x1, bfloat16``."""
     counts: dict[str, int] = {}
@@ -157,6 +182,8 @@ def describe_weights(model: nn.Module) -> str:
             counts[module.kind.name] = counts.get(module.kind.name, 0) + 1
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     parts = [f"{kind} x{count}" for kind, count in sorted(counts.items())]
+    if any(isinstance(m, QuantLinear) and m.int8_activations for m in model.modules()):
+        parts.append("int8 activations")
     return ", ".join([*parts, str(dtype).removeprefix("torch.")])
 
 

@@ -36,7 +36,8 @@
 /* One layer's constants, filled once per layer by pdserve/kernels/cpu_decoder_layer.py (whose
  * ctypes Structure mirrors this one field for field). Weights are GGUF block rows (kind: 0
  * Q4_1, 1 Q8_0, as pd_quant_matmul takes them); norms and the bias are in the activations'
- * dtype. */
+ * dtype. int8_activations: the projections quantize their x to int8 (pd_quant_matmul_a8,
+ * --quantization gguf-a8) instead of keeping it in the dtype (pd_quant_matmul). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
@@ -44,7 +45,17 @@ typedef struct {
     const void *qkv_bias;               /* [(heads + 2 * kv_heads) * head_dim] or NULL */
     const uint8_t *qkv, *o, *gate_up, *down;
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    int32_t int8_activations;
 } PdDecoderLayer;
+
+/* pd_quant_matmul, or pd_quant_matmul_a8 when the layer's activations go to int8. Returns 0, or
+ * -1 when the int8 kernel's buffers could not be allocated. */
+static int project(const PdDecoderLayer *layer, int kind, const void *x, int is_bf16, int64_t rows, int64_t K,
+                   const uint8_t *w, int64_t N, void *y, int threads) {
+    if (layer->int8_activations) return pd_quant_matmul_a8(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
+    pd_quant_matmul(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
+    return 0;
+}
 
 /* a[i] = a[i] + b[i], rounded to the dtype (torch's elementwise add). */
 static void add_into(void *a, const void *b, int is_bf16, int64_t count) {
@@ -57,7 +68,8 @@ static void add_into(void *a, const void *b, int is_bf16, int64_t count) {
  * sin_signed, norms). The cache arguments are pd_rope_and_cache's and
  * pd_paged_decode_attention's: the layer's view of the cache, slots [rows] int64,
  * block_tables [rows, max_blocks] int32, seq_lens [rows] int32 (including the new token).
- * Returns 0, or -1 when a buffer could not be allocated (nothing written to the cache then).
+ * Returns 0, or -1 when a buffer could not be allocated (nothing written to the cache then, unless
+ * an int8 kernel's buffers failed after the K/V write: the step fails either way).
  */
 int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidden_in, void *hidden_out,
                      int64_t rows, const void *cos, const void *sin_signed, void *cache, int cache_is_bf16,
@@ -81,8 +93,10 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
     char *attn = q + rows * q_width * es, *o = attn + rows * q_width * es, *gate_up = o + rows * H * es;
     char *act = gate_up + rows * 2 * I * es;
 
+    int status = 0;
     pd_rms_norm(hidden_in, NULL, NULL, layer->input_norm, normed, rows, H, layer->eps, is_bf16);
-    pd_quant_matmul(layer->qkv_kind, normed, is_bf16, rows, H, layer->qkv, qkv_width, qkv, is_bf16, threads);
+    status |= project(layer, layer->qkv_kind, normed, is_bf16, rows, H, layer->qkv, qkv_width, qkv, threads);
+    if (status) goto done; /* before the cache is written */
     if (layer->qkv_bias != NULL)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t n = 0; n < qkv_width; n++)
@@ -95,11 +109,10 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
     pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
                               block_tables, max_blocks, seq_lens, layer->scale, attn, scores, max_len,
                               attn_threads);
-    pd_quant_matmul(layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, is_bf16, threads);
+    status |= project(layer, layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, threads);
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
     pd_rms_norm(hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, layer->eps, is_bf16);
-    pd_quant_matmul(layer->gate_up_kind, normed, is_bf16, rows, H, layer->gate_up, 2 * I, gate_up, is_bf16,
-                    threads);
+    status |= project(layer, layer->gate_up_kind, normed, is_bf16, rows, H, layer->gate_up, 2 * I, gate_up, threads);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < I; i++) {
             const float g = get_f32(gate_up, is_bf16, r * 2 * I + i), up = get_f32(gate_up, is_bf16, r * 2 * I + I + i);
@@ -108,9 +121,10 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
             if (is_bf16) silu = bf16_to_fp32(fp32_to_bf16(silu));
             put_f32(act, is_bf16, r * I + i, silu * up);
         }
-    pd_quant_matmul(layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, is_bf16, threads);
+    status |= project(layer, layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, threads);
     add_into(hidden_out, o, is_bf16, rows * H);
+done:
     free(buffer);
     free(scores);
-    return 0;
+    return status;
 }

@@ -12,6 +12,10 @@
 void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                      void *y, int y_is_bf16, int threads);
 
+/* int8_activations.c */
+int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                       void *y, int y_is_bf16, int threads);
+
 /* layer_ops.c */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
                  int64_t dim, float eps, int is_bf16);

@@ -41,42 +41,16 @@
 #include <string.h>
 #include "avx2.h"
 #include "bf16.h"
+#include "blocks.h"
 #include "kernels.h"
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-#define QK 32
-#define Q4_1_BYTES 20
-#define Q8_0_BYTES 34
 #define ROWS_PER_TILE 8
 #define FP32_ROUTE_MAX_ROWS 3
 #define LUT_ROUTE_MAX_ROWS 3
-
-static inline float fp16_to_fp32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 /* x as fp32 [M, K]: a copy when x is bf16, x itself when it is fp32. */
 static const float *widen(const void *x, int x_is_bf16, int64_t count, float **owned) {
@@ -152,8 +126,6 @@ static inline void decode_scalar(int kind, BlockRef ref, float *w) {
         for (int j = 0; j < QK; j++) w[j] = (float)qs[j] * d;
     }
 }
-
-static inline int block_bytes(int kind) { return kind == 0 ? Q4_1_BYTES : Q8_0_BYTES; }
 
 /* NAME(kind, ...): FN with kind and rows (1..ROWS_PER_TILE) as constants, so that the compiler
  * unrolls FN's row loops and keeps its accumulators in registers. */
@@ -423,48 +395,9 @@ static inline __attribute__((always_inline)) __m256 block_scale_avx2(int kind, c
     return _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32((int)(b - base)));
 }
 
-/* All ones from lane `skip` on (skip 0-8): loadu of LANE_MASKS + 8 - skip. */
-static const int32_t LANE_MASKS[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
-
-/* At Q4_1 block b, a multiple of 8: the scales of blocks b.. into d8, and their minima's part
- * (sum m[b] * xsum[b], see the header) into each row's accumulator, so that no second pass
- * over the row is needed (it cost a fifth of the time at one row of x). Returns the block that
- * d8's lane 0 holds. Near the row's end the window of 8 is moved back to end at its last
- * block, inside the row (reading past it could read past the tensor), with the blocks already
- * counted masked out of the minima; only rows of fewer than 8 blocks copy their scales out
- * (the copy's reload stalls on store forwarding, which small rows can afford). */
-static inline __attribute__((always_inline)) int64_t group_start_avx2(const uint8_t *w_row, int64_t K,
-                                                                      int64_t blocks, int64_t b, const float *xsum,
-                                                                      int64_t xsum_stride, int rows, __m256 *d8,
-                                                                      __m256 *acc) {
-    const uint16_t *d_all = (const uint16_t *)(w_row + K / 2), *m_all = d_all + blocks;
-    __m256 m8;
-    int64_t base = b;
-    if (blocks < 8) {
-        uint16_t d_copy[8] = {0}, m_copy[8] = {0};
-        memcpy(d_copy, d_all, (size_t)blocks * sizeof(uint16_t));
-        memcpy(m_copy, m_all, (size_t)blocks * sizeof(uint16_t));
-        *d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d_copy));
-        m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m_copy));
-    } else {
-        if (b + 8 > blocks) base = blocks - 8;
-        *d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d_all + base)));
-        m8 = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m_all + base))),
-                           _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(LANE_MASKS + 8 - (b - base)))));
-    }
-    for (int r = 0; r < rows; r++)
-        acc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + r * xsum_stride + base), acc[r]);
-    return base;
-}
-
 static inline const uint8_t *block_qs_avx2(int kind, const uint8_t *w_row, int64_t b) {
     return kind == 0 ? w_row + b * 16 : w_row + b * Q8_0_BYTES + 2;
 }
-
-/* How far ahead of its reads row_dots_avx2 prefetches: the LM head (Q8_0, one output row at
- * a time, 30 MB streamed) took 3.8 ns a block without, 3.1-3.2 with 4-8 KB ahead (512 B: no
- * change); one core of the Zen 3 here, best of 3. */
-#define ROW_PREFETCH_BYTES 4096
 
 /* `rows` rows of prepared x against one output row: dot[r] = x[r] . W[n] (Q4_1's minima
  * included through xsum). */
