@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
@@ -24,15 +25,24 @@ def engine_config(model_path: str | None, role: str, transport: str, **kv: objec
 def pd_pair(
     model_path: str | None, transport: str, prefill_kv: dict | None = None, decode_kv: dict | None = None
 ):
-    prefill = EngineCoreClient(engine_config(model_path, "producer", transport, **(prefill_kv or {})))
+    """Both cores, started at once: each client's constructor blocks until its core has loaded
+    the model (several seconds for the tiny model, ~15 s for the bundled one on 2 cores), and
+    neither core needs the other to start (decode learns prefill's address per request)."""
+    configs = [
+        engine_config(model_path, "producer", transport, **(prefill_kv or {})),
+        engine_config(model_path, "consumer", transport, **(decode_kv or {})),
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        starting = [pool.submit(EngineCoreClient, config) for config in configs]
+    started = [f.result() for f in starting if f.exception() is None]
     try:
-        decode = EngineCoreClient(engine_config(model_path, "consumer", transport, **(decode_kv or {})))
-        try:
-            yield prefill, decode
-        finally:
-            decode.close()
+        for future in starting:
+            future.result()  # a core that failed to start fails the test, once the other is closed
+        prefill, decode = started
+        yield prefill, decode
     finally:
-        prefill.close()
+        for client in reversed(started):  # decode first, as before: it may still pull from prefill
+            client.close()
 
 
 def pd_generate(

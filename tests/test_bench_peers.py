@@ -239,10 +239,15 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
 
     model = write_tiny_model(str(tmp_path / "model"), seed=0)  # its own path: its processes can be found
     json_path = tmp_path / "peers.json"
+    # Each client run costs ~20 s, nearly all of it importing vLLM in the side venv, so this runs
+    # two: the c1 loop in each of two repeats (no warm-up, no c8, no open loop). The open loop
+    # (`--request-rate`) goes through the same client against a colocated server in
+    # tests/test_bench_peers_long.py's end-to-end run; its flags are checked in
+    # test_load_points_name_themselves_and_give_the_clients_flags.
     argv = [
         "bench", "peers", "--setups", "colocated", "--model", model, "--repeats", "2",
         "--input-len", "32", "--output-len", "8", "--num-prompts-c1", "2", "--num-prompts-c8", "0",
-        "--rates", "8", "--num-prompts-rate", "4", "--warmup-prompts", "0",  # 4 client runs, not 6
+        "--num-prompts-rate", "0", "--warmup-prompts", "0",
         "--engine-args", "--num-blocks 128 --max-model-len 256",
         "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
@@ -250,7 +255,7 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
     payload = json.loads(json_path.read_text())
     rows = payload["rows"]
     assert [(r["setup"], r["repeat"], r["load"]) for r in rows] == [
-        ("colocated", repeat, load) for repeat in (0, 1) for load in ("c1", "r8")
+        ("colocated", repeat, "c1") for repeat in (0, 1)
     ]
     for row in rows:
         assert row["completed"] == row["num_prompts"] and row["failed"] == 0 and row["error"] is None
@@ -259,10 +264,8 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
         assert row["itl_ms_p50"] > 0 and row["tpot_ms_p50"] > 0 and row["out_tok_per_s"] > 0
         assert row["tok_s_vs_vllm"] is None  # vLLM did not run
         assert row["other_cores"] >= 0
-    assert [row["seed"] for row in rows[:2]] != [row["seed"] for row in rows[2:]]  # new prompts per repeat
-    assert {(e["setup"], e["load"], e["repeats"]) for e in payload["spread"]} == {
-        ("colocated", load, 2) for load in ("c1", "r8")
-    }
+    assert rows[0]["seed"] != rows[1]["seed"]  # new prompts per repeat
+    assert [(e["setup"], e["load"], e["repeats"]) for e in payload["spread"]] == [("colocated", "c1", 2)]
     machine = payload["machine"]
     assert machine["nproc"] >= 1 and "avx512_bf16" in machine["cpu_flags"]
     assert (tmp_path / "peers.png").stat().st_size > 0
@@ -327,9 +330,12 @@ def test_gguf_variants_pass_their_engine_args_after_the_common_ones():
 @requires_llamacpp
 def test_bench_peers_runs_llama_server_on_the_bundled_gguf_through_vllms_client(tmp_path):
     json_path = tmp_path / "peers.json"
+    # One client run (~20 s of vLLM import each), no warm-up run: the warm-up path (its own
+    # client run, checked to complete) runs in tests/test_bench_peers_long.py's end-to-end test,
+    # and one slot is still what c1 needs.
     argv = [
         "bench", "peers", "--setups", "llamacpp", "--repeats", "1", "--input-len", "32", "--output-len", "8",
-        "--num-prompts-c1", "2", "--num-prompts-c8", "0", "--num-prompts-rate", "0", "--warmup-prompts", "1",
+        "--num-prompts-c1", "2", "--num-prompts-c8", "0", "--num-prompts-rate", "0", "--warmup-prompts", "0",
         "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
     assert cli.main(argv) == 0

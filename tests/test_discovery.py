@@ -35,7 +35,12 @@ from tests.cluster_helpers import TINY_ENGINE_ARGS
 
 PREFILL, DECODE = "pdserve-prefill", "pdserve-decode"  # the headless Services' names
 ENGINE_PORT = 50051  # every engine pod's gRPC port in the manifests
-JOIN_WITHIN_S = 10.0
+# A deadline, not a sleep: wait_for returns as soon as a request lands on the new engine (about
+# 1 s after the DNS change: the router re-resolves every 0.5 s). The headroom is for a loaded
+# machine: under xdist next to other end-to-end tests a 2-core box once took over 10 s.
+JOIN_WITHIN_S = 45.0
+# Requests still in flight when the last roll began may finish this long after it.
+SETTLE_S = 2.0
 
 
 class Zone(BaseResolver):
@@ -177,6 +182,11 @@ class Traffic:
         raise AssertionError(f"no request reached {role} {address} within {timeout_s:.0f}s")
 
 
+def _after(traffic: Traffic, rolled: float) -> int:
+    """Requests that finished once the last roll had settled (SETTLE_S after it)."""
+    return sum(t > rolled + SETTLE_S for t, *_ in list(traffic.done))
+
+
 def _engine_idle(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:
         stats = engine_pb2_grpc.EngineStub(channel).Stats(common_pb2.StatsRequest(), timeout=5)
@@ -248,12 +258,16 @@ def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
     try:
         prefill_old, decode_old = procs.engine("prefill", ips[0]), procs.engine("decode", ips[1])
         decode_new = procs.engine("decode", ips[2])  # up, but not in the answer yet
-        procs.wait_healthy(prefill_old, decode_old, decode_new)
+        # The rolls' replacements start now too, as pods a rolling update brought up early: each
+        # is still healthy before it enters the answer and its predecessor gets SIGTERM, but
+        # their startups overlap the others' instead of adding two in a row (~15 s each).
+        decode_repl, prefill_repl = procs.engine("decode", ips[3]), procs.engine("prefill", ips[4])
+        procs.wait_healthy(prefill_old, decode_old, decode_new, decode_repl, prefill_repl, timeout_s=240.0)
         router = procs.router(dns_port)
         procs.wait_healthy(router)
 
         with Traffic(router, tiny_llm.tokenizer) as traffic:
-            traffic.wait_for("decode", decode_old, time.monotonic(), 30)
+            traffic.wait_for("decode", decode_old, time.monotonic(), JOIN_WITHIN_S)
 
             # Scale decode 1 -> 2.
             scaled = time.monotonic()
@@ -261,8 +275,7 @@ def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
             joined_s = traffic.wait_for("decode", decode_new, scaled, JOIN_WITHIN_S)
 
             # Roll a decode engine: its replacement enters the answer, it leaves and gets SIGTERM.
-            decode_repl = procs.engine("decode", ips[3])
-            procs.wait_healthy(decode_repl)
+            procs.wait_healthy(decode_repl)  # up since the start: returns at once
             rolled = time.monotonic()
             zone.set(DECODE, [ips[2], ips[3]])
             procs.procs[f"decode-{ips[1]}"].send_signal(signal.SIGTERM)
@@ -270,21 +283,27 @@ def test_manifests_scale_and_roll_through_dns_under_load_with_no_failed_request(
             traffic.wait_for("decode", decode_repl, rolled, JOIN_WITHIN_S)
 
             # Roll the prefill engine the same way.
-            prefill_repl = procs.engine("prefill", ips[4])
             procs.wait_healthy(prefill_repl)
             rolled = time.monotonic()
             zone.set(PREFILL, [ips[4]])
             procs.procs[f"prefill-{ips[0]}"].send_signal(signal.SIGTERM)
             assert procs.procs[f"prefill-{ips[0]}"].wait(60) == 0, procs.logs()
             traffic.wait_for("prefill", prefill_repl, rolled, JOIN_WITHIN_S)
-            time.sleep(1.0)
+            # Traffic stays on until some requests finished well after the roll (what the check
+            # below looks at) and over 20 went through in all: a deadline rather than a fixed
+            # sleep, since the replacements no longer start (and keep requests flowing) in here.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (
+                len(traffic.done) > 20 and _after(traffic, rolled) >= 4
+            ):
+                time.sleep(0.1)
 
         assert traffic.failures == [], (traffic.failures[:5], procs.logs())
-        assert len(traffic.done) > 20
+        assert len(traffic.done) > 20 and _after(traffic, rolled) >= 4
         assert joined_s < JOIN_WITHIN_S
         # After the old engines left, nothing was sent to them.
         for t, prefill, decode in traffic.done:
-            if t > rolled + 2.0:
+            if t > rolled + SETTLE_S:
                 assert prefill == prefill_repl and decode in (decode_new, decode_repl)
         for address in (decode_new, decode_repl, prefill_repl):
             deadline = time.monotonic() + 20
