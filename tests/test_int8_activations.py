@@ -100,6 +100,12 @@ def test_a_rows_result_is_the_same_in_any_batch(ggml_type, out_features):
         assert torch.equal(alone[0], batched[row]), row
 
 
+def test_an_empty_batch_gets_an_empty_result():
+    kind, blocks = kernel_blocks(GGML.Q4_1, 8, 64)
+    got = cpu_quant.quant_matmul(torch.zeros(0, 64), kind, blocks, 64, int8_activations=True)
+    assert got.shape == (0, 8)
+
+
 def test_quant_linear_opts_in_for_decode_rows_only():
     """``use_int8_activations`` switches the kernel's rows (decode batches); prefill chunks past
     the kernel's row limit keep decoding the blocks for a GEMM in the activations' dtype."""

@@ -184,14 +184,12 @@ static inline __attribute__((always_inline)) void tile_a8(int kind, const uint8_
         tile_a8(KIND, w, row_bytes, blocks, x, COLS, ROWS, dot); \
         break;
 /* tile_a8 with (kind, cols, rows) as constants, so its loops unroll into registers: a tile of
- * A8_COLS_PER_TILE weight rows at one row of x, else one weight row at 1-A8_ROWS_PER_TILE. */
+ * A8_COLS_PER_TILE Q4_1 weight rows at one row of x, else one weight row at 1-A8_ROWS_PER_TILE
+ * (Q8_0 at one row too: the LM head, bound by memory, was no faster in tiles of 4). */
 static void tile_a8_dispatch(int kind, const uint8_t *w, int64_t row_bytes, int64_t blocks, QuantizedX x, int cols,
                              int rows, float *dot) {
     if (cols == A8_COLS_PER_TILE) {
-        if (kind == 0)
-            tile_a8(0, w, row_bytes, blocks, x, A8_COLS_PER_TILE, 1, dot);
-        else
-            tile_a8(1, w, row_bytes, blocks, x, A8_COLS_PER_TILE, 1, dot);
+        tile_a8(0, w, row_bytes, blocks, x, A8_COLS_PER_TILE, 1, dot);
     } else if (kind == 0) {
         switch (rows) { A8_TILE_CASE(0, 1, 1) A8_TILE_CASE(0, 1, 2) A8_TILE_CASE(0, 1, 3) A8_TILE_CASE(0, 1, 4) }
     } else {
@@ -274,6 +272,7 @@ static void matmul_a8_plain(int kind, const int8_t *q, const float *d, const flo
 int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                        void *y, int y_is_bf16, int threads) {
     const int64_t blocks = K / QK, stride = (blocks + 7) / 8 * 8;
+    if (M <= 0 || N <= 0) return 0; /* nothing to compute (and malloc(0) may return NULL) */
     int8_t *q = (int8_t *)malloc((size_t)(M * K));
     float *d = (float *)calloc((size_t)(M * stride), sizeof(float));
     float *s = (float *)calloc((size_t)(M * stride), sizeof(float));
