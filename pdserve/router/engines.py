@@ -102,7 +102,16 @@ class EnginePool:
         self._tasks: list[asyncio.Task] = []
 
     def _add(self, role: str, address: str) -> EngineHandle:
-        options = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
+        options = [
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 16 << 20),
+            # gRPC's default reconnect backoff grows to 120 s while an engine is down, so a
+            # restarted engine could wait that long for the router's next attempt (and its
+            # health check) to find it; capped near HEALTH_INTERVAL_S, it is found within ~1 s.
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", int(HEALTH_INTERVAL_S * 1000)),
+        ]
         channel = grpc.aio.insecure_channel(address, options=options)
         engine = EngineHandle(
             role=role,
