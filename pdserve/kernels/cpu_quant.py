@@ -136,22 +136,29 @@ def quant_dequantize(
 # --- torch reference: what the kernels compute, written for clarity (tests and no-compiler hosts) ---
 
 
-def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``."""
+def _block_parts(
+    kind: BlockKind, blocks: torch.Tensor, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [rows, blocks, 32], d [rows, blocks], m [rows, blocks])`` in fp32: each block's
+    integers, scale and minimum (0 for Q8_0), so that ``w = d * q + m``."""
     check_blocks(kind, blocks, in_features)
     rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
     if kind is BlockKind.Q4_1:
         nibbles = blocks[:, : in_features // 2].reshape(rows, num_blocks, 16).to(torch.int32)
         scales = blocks[:, in_features // 2 :].contiguous().view(torch.float16).float()
-        scale, minimum = scales[:, :num_blocks, None], scales[:, num_blocks:, None]
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
-        weights = q * scale + minimum
-    else:
-        per_block = blocks.view(rows, num_blocks, kind.block_bytes)
-        scale = per_block[..., 0:2].contiguous().view(torch.float16).float()
-        q = per_block[..., 2:].contiguous().view(torch.int8).float()
-        weights = q * scale
-    return weights.reshape(rows, in_features)
+        return q, scales[:, :num_blocks], scales[:, num_blocks:]
+    per_block = blocks.view(rows, num_blocks, kind.block_bytes)
+    scale = per_block[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    q = per_block[..., 2:].contiguous().view(torch.int8).float()
+    return q, scale, torch.zeros_like(scale)
+
+
+def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``."""
+    q, scale, minimum = _block_parts(kind, blocks, in_features)
+    weights = q * scale[..., None] if kind is BlockKind.Q8_0 else q * scale[..., None] + minimum[..., None]
+    return weights.reshape(blocks.shape[0], in_features)
 
 
 def q4_1_rows_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
@@ -191,19 +198,8 @@ def quant_matmul_a8_ref(
 ) -> torch.Tensor:
     """``quant_matmul(..., int8_activations=True)`` in float64: ``sum_b dw d (q . xq) + m s`` per
     block (m: Q4_1's minimum, 0 for Q8_0), every product exact but the last rounding."""
-    check_blocks(kind, blocks, in_features)
     q, scale, q_sum = (t.double() for t in quantize_activations_ref(x))
-    rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
-    if kind is BlockKind.Q4_1:
-        nibbles = blocks[:, : in_features // 2].reshape(rows, num_blocks, 16).to(torch.int32)
-        weight_q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).double()
-        scales = blocks[:, in_features // 2 :].contiguous().view(torch.float16).double()
-        weight_d, weight_m = scales[:, :num_blocks], scales[:, num_blocks:]
-    else:
-        per_block = blocks.view(rows, num_blocks, kind.block_bytes)
-        weight_d = per_block[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
-        weight_q = per_block[..., 2:].contiguous().view(torch.int8).double()
-        weight_m = torch.zeros_like(weight_d)
+    weight_q, weight_d, weight_m = (t.double() for t in _block_parts(kind, blocks, in_features))
     dots = torch.einsum("mbj,nbj->mnb", q, weight_q)  # exact integers
     out = (dots * weight_d[None] * scale[:, None]).sum(-1) + (weight_m[None] * q_sum[:, None]).sum(-1)
     return out.to(x.dtype)

@@ -19,8 +19,9 @@
  * largest activation at worst, per element); tests/test_quality_quant.py measures what it costs.
  *
  * A row's sum runs the same way whatever M is (one chain of fmas a block; Q4_1's minima into
- * it 8 blocks at a time), so a request's logits do not depend on what it is batched with. Built into the quantized-matmul library (pdserve/kernels/cpu_quant.py) at first
- * use with -march=native; CPUs without AVX2 run the plain C loop at the end.
+ * it 8 blocks at a time), so a request's logits do not depend on what it is batched with.
+ * Built into the quantized-matmul library (pdserve/kernels/cpu_quant.py) at first use with
+ * -march=native; CPUs without AVX2 run the plain C loop at the end.
  */
 #include <math.h>
 #include <stdint.h>
