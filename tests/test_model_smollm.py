@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.engine.model.gguf_file import GGUFFile
 from pdserve.engine.model.gguf_loader import open_gguf, read_arch_config, unpermute_qk
 from pdserve.engine.model.llama import model_to_hf_state_dict
 from pdserve.engine.model.loader import bundled_model_path, load_model
@@ -39,7 +40,7 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def reader() -> gguf.GGUFReader:
+def reader() -> GGUFFile:
     return open_gguf(bundled_model_path())
 
 

@@ -19,6 +19,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.engine.core_client import EngineCoreClient
+from pdserve.engine.model.gguf_file import GGUFFile
 from pdserve.engine.model.loader import bundled_model_path, load_model
 from pdserve.engine.model.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.engine.request import SamplingParams
@@ -30,9 +31,7 @@ pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler
 
 
 def file_tensor_bytes(path: str) -> int:
-    import gguf
-
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    return sum(t.n_bytes for t in GGUFFile(path).tensors)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ Weights are dequantised with the ``gguf`` package (the same routine transformers
 Q4_1 file gives exactly the float32 values transformers loads from it. Two things llama.cpp's
 converter does must be undone:
 
-* GGUF lists tensor dims innermost-first (``[in, out]``); ``GGUFReader`` already hands out
+* GGUF lists tensor dims innermost-first (``[in, out]``); ``GGUFFile`` already hands out
   numpy-ordered arrays (``[out, in]``), and ``dequantize`` keeps that order, so no transpose.
 * For ``llama`` files, ``convert_hf_to_gguf.py`` permutes the rows of q/k projections from HF's
   "rotate_half" RoPE layout to GGML's interleaved one; ``unpermute_qk`` reverses that (Qwen2
@@ -23,6 +23,7 @@ import torch
 from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
+from pdserve.engine.model.gguf_file import GGUFFile, GGUFTensor
 from pdserve.engine.model.llama import FUSED_PROJECTIONS, hf_to_model_state_dict
 from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind, dequantize_ref
 
@@ -50,15 +51,14 @@ _GLOBAL_NAMES = {
 }
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """Parse a GGUF header (about 3 s for a 49k-token vocabulary; share it between loaders)."""
-    return gguf.GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """Parse a GGUF header (share it between the weights' and the tokenizer's loaders)."""
+    return GGUFFile(path)
 
 
-def field(reader: gguf.GGUFReader, key: str, default=None):
+def field(reader: GGUFFile, key: str, default=None):
     """A metadata value as a Python object (str, int, float, list), or ``default``."""
-    item = reader.fields.get(key)
-    return default if item is None else item.contents()
+    return reader.field(key, default)
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -72,7 +72,7 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half_dim, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
-def read_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
+def read_arch_config(reader: GGUFFile) -> ModelArchConfig:
     """Architecture numbers from ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
     arch = field(reader, "general.architecture")
     if arch not in _PERMUTED_QK:
@@ -82,7 +82,7 @@ def read_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = field(reader, f"{arch}.vocab_size")
     if vocab_size is None:
-        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"])
     return ModelArchConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -105,11 +105,11 @@ def read_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
     )
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
     kind = field(reader, f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+    tensor = reader.tensor("rope_freqs.weight")
+    if tensor is not None:
         # Llama 3.1+ files bake the llama3 scaling into per-frequency divisors.
-        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
         return {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
     if kind in (None, "none"):
@@ -128,7 +128,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _gguf_tensors(reader: gguf.GGUFReader) -> list[tuple[gguf.ReaderTensor, str]]:
+def _gguf_tensors(reader: GGUFFile) -> list[tuple[GGUFTensor, str]]:
     """``(tensor, HF name)`` for every tensor the model has a parameter for."""
     wanted = [(t, name) for t in reader.tensors if (name := _hf_name(t.name)) is not None]
     skipped = sorted(t.name for t in reader.tensors if _hf_name(t.name) is None)
@@ -147,7 +147,7 @@ def _qk_heads(name: str, config: ModelArchConfig) -> int | None:
 
 
 def load_gguf_hf_state_dict(
-    path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
+    path: str, dtype: str | torch.dtype = "float32", reader: GGUFFile | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Dequantised weights under HF Llama names (unfused), q/k un-permuted."""
     reader = reader if reader is not None else open_gguf(path)
@@ -155,7 +155,7 @@ def load_gguf_hf_state_dict(
     config = read_arch_config(reader)
     permuted = _PERMUTED_QK[field(reader, "general.architecture")]
 
-    def convert(item: tuple[gguf.ReaderTensor, str]) -> tuple[str, torch.Tensor]:
+    def convert(item: tuple[GGUFTensor, str]) -> tuple[str, torch.Tensor]:
         tensor, name = item
         return name, _dequantized(tensor, name, config, permuted).to(torch_dtype)
 
@@ -192,9 +192,7 @@ def _densify_mixed_groups(
             logger.info("%s: parts of different types, served dense", ", ".join(parts))
 
 
-def _dequantized(
-    tensor: gguf.ReaderTensor, name: str, config: ModelArchConfig, permuted: bool
-) -> torch.Tensor:
+def _dequantized(tensor: GGUFTensor, name: str, config: ModelArchConfig, permuted: bool) -> torch.Tensor:
     weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     heads = _qk_heads(name, config) if permuted else None
     if heads is not None:
@@ -204,7 +202,7 @@ def _dequantized(
 
 
 def load_gguf_blocks(
-    path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
+    path: str, dtype: str | torch.dtype = "float32", reader: GGUFFile | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor], dict[str, tuple[BlockKind, torch.Tensor]]]:
     """The file's weights as they are, for ``--quantization gguf``: ``(config, dense, blocks)``.
 
@@ -241,7 +239,7 @@ def load_gguf_blocks(
 
 
 def load_gguf(
-    path: str, dtype: str | torch.dtype = "float32", reader: gguf.GGUFReader | None = None
+    path: str, dtype: str | torch.dtype = "float32", reader: GGUFFile | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``(config, state_dict)`` ready for ``LlamaForCausalLM.load_state_dict``."""
     config, hf_state = load_gguf_hf_state_dict(path, dtype, reader)

@@ -19,9 +19,10 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
+
+from pdserve.engine.model.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +147,12 @@ class Tokenizer:
     # ---- builders -----------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+    def from_gguf(cls, path: str, reader: GGUFFile | None = None) -> Tokenizer:
         """Rebuild a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from GGUF metadata."""
-        reader = reader if reader is not None else gguf.GGUFReader(path)
+        reader = reader if reader is not None else GGUFFile(path)
 
         def get(key: str, default: Any = None) -> Any:
-            item = reader.fields.get(f"tokenizer.{key}")
-            return default if item is None else item.contents()
+            return reader.field(f"tokenizer.{key}", default)
 
         kind = get("ggml.model")
         if kind != "gpt2":
