@@ -137,6 +137,56 @@ def test_the_fused_layer_computes_what_the_per_op_path_does(dtype, ggml_type, ro
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+@pytest.mark.parametrize("runs", [[(0, 2)], [(0, 1), (1, 2)]], ids=["one-call", "call-a-layer"])
+def test_a_fused_pass_runs_layers_as_one_call_each_over_its_own_cache_layer(dtype, int8_activations, runs):
+    """``FusedPass.run`` over both layers of the cache (in one call, or a call a layer as the
+    engine's input polls split a pass): the same hidden states and K/V as the layers one by one,
+    each layer writing only its own part of the cache."""
+    layers = [
+        quantized_layer(dtype, GGML.Q4_1, bias=False, seed=seed, int8_activations=int8_activations)
+        for seed in (3, 4)
+    ]
+    hidden, cos, sin_signed, cache, meta = decode_inputs(3, dtype)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        prepared = cpu_decoder_layer.PreparedLayers([layer.fused() for layer in layers])
+        fused = cpu_decoder_layer.FusedPass(prepared, cos, sin_signed, cache, meta)
+        got = hidden
+        for first, last in runs:
+            got = fused.run(first, last, got)
+        want = hidden
+        for index, layer in enumerate(layers):
+            want = cpu_decoder_layer.decoder_layer(
+                layer.fused(), want, cos, sin_signed, reference_cache[:, index], meta
+            )
+    assert torch.equal(got, want)
+    assert torch.equal(cache, reference_cache)
+    assert not torch.equal(cache[:, 0], decode_inputs(3, dtype)[3][:, 0])  # both layers wrote their K/V
+    assert not torch.equal(cache[:, 1], decode_inputs(3, dtype)[3][:, 1])
+    with pytest.raises(ValueError, match="layers 1..3 of 2"):
+        fused.run(1, 3, hidden)
+
+
+def test_layers_of_different_shapes_do_not_fuse_into_one_run():
+    wide = ModelArchConfig(**{**CONFIG.to_dict(), "intermediate_size": 512})
+    narrow_layer = quantized_layer(torch.float32, GGML.Q4_1, bias=False)
+    wide_layer = LlamaDecoderLayer(wide)
+    for owner, name in ((wide_layer.self_attn, "qkv_proj"), (wide_layer.self_attn, "o_proj"),
+                        (wide_layer.mlp, "gate_up_proj"), (wide_layer.mlp, "down_proj")):  # fmt: skip
+        dense = getattr(owner, name)
+        out_features, in_features = dense.weight.shape
+        raw = gguf.quants.quantize(np.zeros((out_features, in_features), np.float32), GGML.Q8_0)
+        setattr(
+            owner,
+            name,
+            QuantLinear(*to_kernel_blocks(GGML.Q8_0, raw, out_features, in_features), in_features),
+        )
+    with pytest.raises(ValueError, match="share their shapes"):
+        cpu_decoder_layer.PreparedLayers([narrow_layer.fused(), wide_layer.fused()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
 def test_a_rows_result_does_not_depend_on_its_batch(dtype, int8_activations):
     layer = quantized_layer(dtype, GGML.Q4_1, bias=False, int8_activations=int8_activations)
     hidden, cos, sin_signed, cache, meta = decode_inputs(5, dtype)
@@ -183,16 +233,22 @@ def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monk
     prompts = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 12, 10, 9]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
+    layer_counts = []
+
     def tokens() -> list[list[int]]:
         llm = LLM(tiny_model_dir, quantization=quantization, num_blocks=64)
+        layer_counts.append(llm.engine.runner.num_layers)
         return [out.token_ids for out in llm.generate(prompts, params)] + [
             llm.generate([prompts[0]], params)[0].token_ids
         ]
 
     calls = []
-    real = cpu_decoder_layer.decoder_layer
-    monkeypatch.setattr(cpu_decoder_layer, "decoder_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_decoder_layer.FusedPass.run
+    monkeypatch.setattr(
+        cpu_decoder_layer.FusedPass, "run", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k)
+    )
     fused_tokens = tokens()
-    assert calls, "the int8 engine's decode steps never took the fused layer"
+    assert calls, "the int8 engine's decode steps never took the fused layers"
+    assert set(calls) == {(0, layer_counts[0])}, "without a poll hook, a step's layers are one call"
     monkeypatch.setattr(cpu_decoder_layer, "serves", lambda *a, **k: False)
     assert fused_tokens == tokens()

@@ -26,6 +26,7 @@ from pdserve.engine.model.linear import pack_linear_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.sampler import SamplingState, sample
+from pdserve.kernels.cpu_decoder_layer import FusedPass
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class _Pass:
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     sin_signed: torch.Tensor
     meta: AttentionMetadata
+    fused: FusedPass | None  # the pass's layers as runs of fused C calls, when they can be
 
 
 class ModelRunner:
@@ -232,21 +234,33 @@ class ModelRunner:
         input_ids, positions, slot_mapping = self._flatten(segments)
         meta = self._attention_metadata(segments, num_decodes, slot_mapping)
         hidden, cos, sin_signed = self.model.embed(input_ids, positions)
-        return _Pass(segments, num_decodes, hidden, cos, sin_signed, meta)
+        fused = self.model.fused_pass(hidden, cos, sin_signed, self.kv_cache, meta)
+        return _Pass(segments, num_decodes, hidden, cos, sin_signed, meta, fused)
 
     def _run_layers(self, fwd: _Pass) -> torch.Tensor:
         """Every decoder layer over the pass, polling in between; the final-normed hidden."""
-        for index in range(self.num_layers):
-            if self._between_layers is not None and index in self._poll_layers:
-                self._between_layers(index)
+        polls = sorted(self._poll_layers) if self._between_layers is not None else []
+        first = 0
+        for end in [*polls, self.num_layers]:
+            self._run_range(fwd, first, end)
+            first = end
+            if end < self.num_layers:
+                assert self._between_layers is not None
+                self._between_layers(end)
                 if self._joining:
-                    self._merge_joining(fwd, index)
-            self._run_layer(fwd, index)
+                    self._merge_joining(fwd, end)
         return self.model.model.norm(fwd.hidden)
 
-    def _run_layer(self, fwd: _Pass, index: int) -> None:
-        layer = self.model.model.layers[index]
-        fwd.hidden = layer(fwd.hidden, fwd.cos, fwd.sin_signed, self.kv_cache[:, index], fwd.meta)
+    def _run_range(self, fwd: _Pass, first: int, end: int) -> None:
+        """Layers ``first .. end - 1``: one C call when the pass is fused, else layer by layer."""
+        if first >= end:
+            return
+        if fwd.fused is not None:
+            fwd.hidden = fwd.fused.run(first, end, fwd.hidden)
+            return
+        for index in range(first, end):
+            layer = self.model.model.layers[index]
+            fwd.hidden = layer(fwd.hidden, fwd.cos, fwd.sin_signed, self.kv_cache[:, index], fwd.meta)
 
     def _merge_joining(self, fwd: _Pass, next_layer: int) -> None:
         """Catch the joining rows up to ``next_layer`` alone, then splice them into the pass
@@ -257,8 +271,7 @@ class ModelRunner:
         ]
         self._joining = []
         caught_up = self._start_pass(joins, len(joins))
-        for index in range(next_layer):
-            self._run_layer(caught_up, index)
+        self._run_range(caught_up, 0, next_layer)
         split = fwd.num_decodes
 
         def spliced(batch: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -272,6 +285,7 @@ class ModelRunner:
         fwd.meta = self._attention_metadata(
             fwd.segments, fwd.num_decodes, spliced(fwd.meta.slot_mapping, caught_up.meta.slot_mapping)
         )
+        fwd.fused = self.model.fused_pass(fwd.hidden, fwd.cos, fwd.sin_signed, self.kv_cache, fwd.meta)
 
     def _flatten(self, segments: list[_Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []

@@ -16,6 +16,7 @@ kept by the layer; a step marshals only its tensors.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,10 +58,10 @@ class LayerArgs(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.pd_decoder_layer.argtypes = [
-        ctypes.POINTER(LayerArgs), cint, ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, i64, ptr, ptr, i64, ptr, cint
+    lib.pd_decoder_layers.argtypes = [
+        ptr, i64, i64, cint, ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, i64, ptr, ptr, i64, ptr, cint
     ]  # fmt: skip
-    lib.pd_decoder_layer.restype = cint
+    lib.pd_decoder_layers.restype = cint
 
 
 KERNELS = CLibrary(
@@ -160,6 +161,82 @@ def serves(
     )
 
 
+class PreparedLayers:
+    """Consecutive layers' ``LayerArgs`` as one C array (``pd_decoder_layers`` runs any run of
+    them in one call), built once per model; every layer shares the first one's shapes."""
+
+    def __init__(self, layers: Sequence[PreparedLayer]) -> None:
+        if not layers:
+            raise ValueError("no layers to prepare")
+        self.layers = tuple(layers)
+        self.first = self.layers[0]
+        shape = _shape(self.first.args)
+        if any(_shape(layer.args) != shape or layer.dtype != self.first.dtype for layer in self.layers):
+            raise ValueError("fused layers must share their shapes and dtype")
+        self.array = (LayerArgs * len(self.layers))(*(layer.args for layer in self.layers))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def _shape(args: LayerArgs) -> tuple[int | float, ...]:
+    return (args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.eps, args.scale)
+
+
+class FusedPass:
+    """A decode pass's tensors as the C side reads them, marshalled once for the pass: each run
+    of layers in it (between two of the engine's input polls, or all of them) is then one C call
+    with no per-layer Python (``serves`` said yes for the pass first)."""
+
+    def __init__(
+        self,
+        layers: PreparedLayers,
+        cos: torch.Tensor,  # [rows, 1, head_dim], the activations' dtype
+        sin_signed: torch.Tensor,
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> None:
+        self.layers = layers
+        self.cos, self.sin_signed = cos.contiguous(), sin_signed.contiguous()
+        self.kv_cache = kv_cache
+        self.slots = meta.slot_mapping.to(torch.int64).contiguous()
+        self.tables = meta.decode_block_tables.to(torch.int32).contiguous()
+        self.lens = meta.decode_seq_lens.to(torch.int32).contiguous()
+        self.threads = torch.get_num_threads()
+
+    def run(self, first: int, last: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layers ``first .. last - 1`` over ``hidden`` ``[rows, hidden]`` (not changed): their output."""
+        if not 0 <= first < last <= len(self.layers):
+            raise ValueError(f"layers {first}..{last} of {len(self.layers)}")
+        hidden = hidden.contiguous()
+        out = torch.empty_like(hidden)
+        cache = self.kv_cache
+        status = KERNELS.load().pd_decoder_layers(
+            ctypes.byref(self.layers.array, first * ctypes.sizeof(LayerArgs)),
+            last - first,
+            cache.stride(1),
+            int(hidden.dtype == torch.bfloat16),
+            hidden.data_ptr(),
+            out.data_ptr(),
+            hidden.shape[0],
+            self.cos.data_ptr(),
+            self.sin_signed.data_ptr(),
+            cache.data_ptr() + first * cache.stride(1) * cache.element_size(),
+            int(cache.dtype == torch.bfloat16),
+            cache.shape[3],
+            cache.stride(0),
+            cache.stride(2),
+            self.slots.data_ptr(),
+            self.tables.data_ptr(),
+            self.tables.shape[1],
+            self.lens.data_ptr(),
+            self.threads,
+        )
+        if status != 0:
+            raise MemoryError("fused decoder layers: their buffers could not be allocated")
+        return out
+
+
 def decoder_layer(
     prepared: PreparedLayer,
     hidden: torch.Tensor,  # [rows, hidden]: one decode token per sequence
@@ -169,33 +246,6 @@ def decoder_layer(
     meta: AttentionMetadata,
 ) -> torch.Tensor:  # [rows, hidden]: the layer's output (hidden itself is not changed)
     """The layer over ``hidden`` as one C call; the step's K and V go into the cache as the
-    per-op path writes them."""
-    hidden = hidden.contiguous()
-    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
-    slots = meta.slot_mapping.to(torch.int64).contiguous()
-    tables = meta.decode_block_tables.to(torch.int32).contiguous()
-    lens = meta.decode_seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(hidden)
-    _, _, block_size, _, _ = kv_cache_layer.shape
-    status = KERNELS.load().pd_decoder_layer(
-        ctypes.byref(prepared.args),
-        int(hidden.dtype == torch.bfloat16),
-        hidden.data_ptr(),
-        out.data_ptr(),
-        hidden.shape[0],
-        cos.data_ptr(),
-        sin_signed.data_ptr(),
-        kv_cache_layer.data_ptr(),
-        int(kv_cache_layer.dtype == torch.bfloat16),
-        block_size,
-        kv_cache_layer.stride(0),
-        kv_cache_layer.stride(1),
-        slots.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        lens.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise MemoryError("fused decoder layer: its buffers could not be allocated")
-    return out
+    per-op path writes them. (A pass over many layers: ``FusedPass``.)"""
+    one_layer_cache = kv_cache_layer.unsqueeze(1)  # [num_blocks, 1, 2, ...]: the engine cache's shape
+    return FusedPass(PreparedLayers([prepared]), cos, sin_signed, one_layer_cache, meta).run(0, 1, hidden)

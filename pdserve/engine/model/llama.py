@@ -13,6 +13,7 @@ Parameter names are HF's except for the two fused projections (``self_attn.qkv_p
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -210,11 +211,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
-        # An uninitialised table: the checkpoint fills it, and nn.Embedding's own normal_() would
-        # pull in torch._dynamo (2.3 s of imports) when the model is built on the meta device.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
+        # nn.Embedding's own init on the meta device (build_model) goes through torch._refs and
+        # pulls in torch._dynamo: 2.3 s of imports at every model load. The table is made here,
+        # initialised as nn.Embedding does only on a real device (the checkpoint fills it anyway).
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        if not table.is_meta:
+            table.normal_()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -249,6 +252,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("rope_sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
+        # Every layer's fused form (``fused_pass``), asked once the weights are in place.
+        self._fused_layers: cpu_decoder_layer.PreparedLayers | None = None
+        self._fused_layers_asked = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -280,6 +286,30 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, cos, sin_signed, kv_cache[:, i], attn_metadata)
         return self.model.norm(hidden)
+
+    def fused_pass(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> cpu_decoder_layer.FusedPass | None:
+        """The pass with its layers fused (``FusedPass.run``: a run of layers a C call), or None
+        when a layer cannot be (``LlamaDecoderLayer.fused``) or the pass is not a decode batch
+        the fused layer takes (``cpu_decoder_layer.serves``): then each layer's ``forward``."""
+        if not self._fused_layers_asked:
+            self._fused_layers_asked = True
+            asked = [cast(LlamaDecoderLayer, layer).fused() for layer in self.model.layers]
+            prepared = [layer for layer in asked if layer is not None]
+            if len(prepared) == len(asked):
+                self._fused_layers = cpu_decoder_layer.PreparedLayers(prepared)
+        layers = self._fused_layers
+        if layers is None or not cpu_decoder_layer.serves(
+            layers.first, hidden, cos, kv_cache[:, 0], attn_metadata, max_rows=KERNEL_MAX_ROWS
+        ):
+            return None
+        return cpu_decoder_layer.FusedPass(layers, cos, sin_signed, kv_cache, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         if self.quant_lm_head is not None:

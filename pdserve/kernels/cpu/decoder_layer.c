@@ -62,41 +62,48 @@ static void add_into(void *a, const void *b, int is_bf16, int64_t count) {
     for (int64_t i = 0; i < count; i++) put_f32(a, is_bf16, i, get_f32(a, is_bf16, i) + get_f32(b, is_bf16, i));
 }
 
-/*
- * hidden_out[rows, hidden] = the layer applied to hidden_in (rows decode tokens, one per
- * sequence; hidden_out may not alias hidden_in). is_bf16: the activations' dtype (hidden, cos,
- * sin_signed, norms). The cache arguments are pd_rope_and_cache's and
- * pd_paged_decode_attention's: the layer's view of the cache, slots [rows] int64,
- * block_tables [rows, max_blocks] int32, seq_lens [rows] int32 (including the new token).
- * Returns 0, or -1 when a buffer could not be allocated (nothing written to the cache then, unless
- * an int8 kernel's buffers failed after the K/V write: the step fails either way).
- */
-int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidden_in, void *hidden_out,
-                     int64_t rows, const void *cos, const void *sin_signed, void *cache, int cache_is_bf16,
-                     int64_t block_size, int64_t block_stride, int64_t half_stride, const int64_t *slots,
-                     const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int threads) {
+/* The intermediates of one layer's pass over `rows` tokens, allocated once for a run of layers:
+ * normed, qkv, q, attention out, o, gate_up, act (in the activations' dtype), and the
+ * attention's scores. */
+typedef struct {
+    char *buffer;
+    float *scores;
+} LayerScratch;
+
+static int scratch_alloc(LayerScratch *scratch, const PdDecoderLayer *layer, int64_t rows, size_t es,
+                         int attn_threads, int64_t max_len) {
+    const int64_t H = layer->hidden, D = layer->head_dim, I = layer->intermediate;
+    const int64_t qkv_width = (layer->heads + 2 * layer->kv_heads) * D, q_width = layer->heads * D;
+    const int64_t elems = rows * (H + qkv_width + 2 * q_width + H + 2 * I + I);
+    scratch->buffer = (char *)malloc((size_t)elems * es);
+    scratch->scores = (float *)malloc((size_t)(attn_threads * (max_len + 2 * D) * layer->heads) * sizeof(float));
+    if (scratch->buffer == NULL || scratch->scores == NULL) {
+        free(scratch->buffer);
+        free(scratch->scores);
+        return -1;
+    }
+    return 0;
+}
+
+/* One layer, hidden_in -> hidden_out (not aliased), its cache at `cache`: the header's formulas.
+ * Returns 0, or -1 when an int8 kernel's buffers could not be allocated. */
+static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, int is_bf16, const void *hidden_in,
+                     void *hidden_out, int64_t rows, const void *cos, const void *sin_signed, void *cache,
+                     int cache_is_bf16, int64_t block_size, int64_t block_stride, int64_t half_stride,
+                     const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                     int threads, int attn_threads) {
     const int64_t H = layer->hidden, heads = layer->heads, kv_heads = layer->kv_heads, D = layer->head_dim;
     const int64_t I = layer->intermediate, qkv_width = (heads + 2 * kv_heads) * D, q_width = heads * D;
     const int64_t max_len = max_blocks * block_size;
-    const int attn_threads = (int)(threads < rows * kv_heads ? threads : rows * kv_heads);
     const size_t es = is_bf16 ? 2 : 4;
-    /* One allocation for every intermediate: normed, qkv, q, attention out, o, gate_up, act. */
-    const int64_t elems = rows * (H + qkv_width + 2 * q_width + H + 2 * I + I);
-    char *buffer = (char *)malloc((size_t)elems * es);
-    float *scores = (float *)malloc((size_t)(attn_threads * (max_len + 2 * D) * heads) * sizeof(float));
-    if (buffer == NULL || scores == NULL) {
-        free(buffer);
-        free(scores);
-        return -1;
-    }
-    char *normed = buffer, *qkv = normed + rows * H * es, *q = qkv + rows * qkv_width * es;
+    char *normed = scratch->buffer, *qkv = normed + rows * H * es, *q = qkv + rows * qkv_width * es;
     char *attn = q + rows * q_width * es, *o = attn + rows * q_width * es, *gate_up = o + rows * H * es;
     char *act = gate_up + rows * 2 * I * es;
 
     int status = 0;
     pd_rms_norm(hidden_in, NULL, NULL, layer->input_norm, normed, rows, H, layer->eps, is_bf16);
     status |= project(layer, layer->qkv_kind, normed, is_bf16, rows, H, layer->qkv, qkv_width, qkv, threads);
-    if (status) goto done; /* before the cache is written */
+    if (status) return status; /* before the cache is written */
     if (layer->qkv_bias != NULL)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t n = 0; n < qkv_width; n++)
@@ -107,7 +114,7 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
     for (int64_t r = 0; r < rows; r++) /* the q heads of each row, contiguous for the attention */
         memcpy(q + r * q_width * es, qkv + r * qkv_width * es, (size_t)q_width * es);
     pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
-                              block_tables, max_blocks, seq_lens, layer->scale, attn, scores, max_len,
+                              block_tables, max_blocks, seq_lens, layer->scale, attn, scratch->scores, max_len,
                               attn_threads);
     status |= project(layer, layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, threads);
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
@@ -123,8 +130,46 @@ int pd_decoder_layer(const PdDecoderLayer *layer, int is_bf16, const void *hidde
         }
     status |= project(layer, layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, threads);
     add_into(hidden_out, o, is_bf16, rows * H);
-done:
-    free(buffer);
-    free(scores);
+    return status;
+}
+
+/*
+ * hidden_out[rows, hidden] = layers[0 .. count) applied in turn to hidden_in (rows decode tokens,
+ * one per sequence; hidden_out may not alias hidden_in). Layer i's cache is `cache` plus i *
+ * layer_stride elements (the engine's cache holds every layer of a block together), so a run of
+ * layers is one call: the Python and the allocations around a call are paid once for the run,
+ * not per layer. The layers must share their shapes (one model's). is_bf16: the activations'
+ * dtype (hidden, cos, sin_signed, norms). The cache arguments are pd_rope_and_cache's and
+ * pd_paged_decode_attention's for layer 0's view: slots [rows] int64, block_tables [rows,
+ * max_blocks] int32, seq_lens [rows] int32 (including the new token).
+ * Returns 0, or -1 when a buffer could not be allocated (nothing written to the cache then, unless
+ * an int8 kernel's buffers failed after a K/V write: the step fails either way).
+ */
+int pd_decoder_layers(const PdDecoderLayer *layers, int64_t count, int64_t layer_stride, int is_bf16,
+                      const void *hidden_in, void *hidden_out, int64_t rows, const void *cos, const void *sin_signed,
+                      void *cache, int cache_is_bf16, int64_t block_size, int64_t block_stride, int64_t half_stride,
+                      const int64_t *slots, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                      int threads) {
+    if (count <= 0 || rows <= 0) return 0;
+    const int attn_threads = (int)(threads < rows * layers->kv_heads ? threads : rows * layers->kv_heads);
+    const size_t es = is_bf16 ? 2 : 4;
+    LayerScratch scratch;
+    if (scratch_alloc(&scratch, layers, rows, es, attn_threads, max_blocks * block_size)) return -1;
+    /* Layers alternate between hidden_out and a spare buffer, so that the last one writes
+     * hidden_out. */
+    void *spare = count > 1 ? malloc((size_t)(rows * layers->hidden) * es) : NULL;
+    int status = count > 1 && spare == NULL ? -1 : 0;
+    const void *from = hidden_in;
+    for (int64_t i = 0; i < count && status == 0; i++) {
+        void *to = (count - 1 - i) % 2 == 0 ? hidden_out : spare;
+        status = run_layer(layers + i, &scratch, is_bf16, from, to, rows, cos, sin_signed,
+                           (char *)cache + i * layer_stride * (cache_is_bf16 ? 2 : 4), cache_is_bf16, block_size,
+                           block_stride, half_stride, slots, block_tables, max_blocks, seq_lens, threads,
+                           attn_threads);
+        from = to;
+    }
+    free(spare);
+    free(scratch.buffer);
+    free(scratch.scores);
     return status;
 }
