@@ -7,9 +7,13 @@ foreground; Ctrl-C or SIGTERM stops every process (router first, then the engine
 SIGKILL after a grace period), and so does any child exiting on its own, which makes the command
 exit non-zero naming it.
 
-Each engine is pinned to its own share of the cores this command may use (``plan_engine_cpus``;
-``--prefill-cpus`` / ``--decode-cpus`` choose them, ``--no-cpu-placement`` turns it off), and
-runs as many torch threads as cores it is given (``pdserve.engine.cpu_resources``).
+Each engine's core process (its model steps and torch threads) is pinned to its own share of the
+cores this command may use (``plan_engine_cpus``; ``--prefill-cpus`` / ``--decode-cpus`` choose
+them, ``--no-cpu-placement`` turns it off), and runs as many torch threads as cores it is given
+(``pdserve.engine.cpu_resources``). The engine's front (gRPC server, token streaming) is not
+pinned, like the router: as vLLM's CPU backend binds only its worker's OpenMP threads. Pinned
+with its core, a decode engine's front spent its ~2 ms of Python a streamed token on the core
+whose steps it was streaming, which then waited for it.
 
 The router gets the cluster's API keys (``--api-key``, through its environment, never its
 command line) and TLS settings; the cluster checks its health over that TLS, trusting
@@ -147,10 +151,13 @@ class ClusterProcess(SupervisedProcess):
         metrics_address: str | None,
         env: dict[str, str],
         cpus: Sequence[int] | None = None,
+        core_cpus: Sequence[int] | None = None,
         tls: ClientTls | None = None,
     ) -> None:
         super().__init__(name, argv, log_path, address=address, env=env, cpus=cpus)
         self.role = role  # "router", "prefill" or "decode"
+        # An engine's core process is pinned here (--core-cpus); the process itself runs anywhere.
+        self.core_cpus = sorted(core_cpus) if core_cpus else []
         self.metrics_address = metrics_address  # host:port of Prometheus /metrics
         self.tls = tls  # how to reach its gRPC port when it serves TLS (the router)
 
@@ -336,8 +343,11 @@ class LocalCluster:
             role = name.split("-")[0]
             argv = [sys.executable, *self._argv(role, port, metrics_port)]
             env, tls = self.env, None
+            core_cpus = self.cpus.get(name)
             if role in ENGINE_ROLES:
                 argv += ["--engine-id", f"{name}-{port}"]
+                if core_cpus:  # the engine's core, not its front (see the module's docstring)
+                    argv += ["--core-cpus", format_cpu_list(core_cpus)]
             else:
                 env, tls = self._router_env(), self._router_health_tls()
             procs.append(
@@ -349,7 +359,8 @@ class LocalCluster:
                     address=f"{self.host}:{port}",
                     metrics_address=f"{self.host}:{metrics_port}",
                     env=env,
-                    cpus=self.cpus.get(name),
+                    cpus=None if role in ENGINE_ROLES else core_cpus,
+                    core_cpus=core_cpus if role in ENGINE_ROLES else None,
                     tls=tls,
                 )
             )
@@ -424,7 +435,8 @@ class LocalCluster:
         rows = [("NAME", "ROLE", "GRPC", "METRICS", "PID", "CPUS")]
         for p in self._ordered():
             metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else "-"
-            cpus = format_cpu_list(p.cpus) if p.cpus else "any"
+            pinned = p.core_cpus or p.cpus
+            cpus = format_cpu_list(pinned) if pinned else "any"
             rows.append((p.name, p.role, p.address, metrics, str(p.pid), cpus))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         return "\n".join(

@@ -223,6 +223,13 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     threads: int = 0  # torch intra-op threads of the core; 0: from the CPUs it may use
     kv_events: KVEventsConfig | None = None  # None: no KV-cache events (the default)
+    # CPUs the core process (the model's steps, torch's threads) is pinned to; None: wherever the
+    # front may run. The front (gRPC, streaming) is not pinned with it: see pdserve.cluster.
+    core_cpus: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.core_cpus is not None and (not self.core_cpus or min(self.core_cpus) < 0):
+            raise ValueError(f"core_cpus must name cpus, got {self.core_cpus}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -238,4 +245,5 @@ class EngineConfig:
             kv_transfer=KVTransferConfig(**kv) if kv else None,
             threads=int(data.get("threads", 0)),
             kv_events=KVEventsConfig(**data["kv_events"]) if data.get("kv_events") else None,
+            core_cpus=[int(c) for c in data["core_cpus"]] if data.get("core_cpus") is not None else None,
         )

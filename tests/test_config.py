@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 
 
 def _raises_naming(fields: tuple[str, ...], build) -> str:
@@ -127,3 +127,31 @@ def test_model_config_rejects_unknown_dtype():
 )
 def test_kv_transfer_config_rejects_bad_values(kwargs, field):
     _raises_naming((field,), lambda: KVTransferConfig(**kwargs))
+
+
+def test_engine_config_carries_core_cpus_to_the_core_process():
+    """The cpus the core pins itself to travel in the config the front hands the core (JSON)."""
+    config = EngineConfig(core_cpus=[1, 3])
+    assert EngineConfig.from_json(config.to_json()).core_cpus == [1, 3]
+    assert EngineConfig.from_json(EngineConfig().to_json()).core_cpus is None
+
+
+@pytest.mark.parametrize("core_cpus", [[], [-1]])
+def test_engine_config_rejects_core_cpus_naming_no_cpu(core_cpus):
+    with pytest.raises(ValueError, match="core_cpus"):
+        EngineConfig(core_cpus=core_cpus)
+
+
+def test_engine_command_rejects_core_cpus_it_may_not_use():
+    import argparse
+    import os
+
+    from pdserve.engine.server import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    not_mine, mine = max(os.sched_getaffinity(0)) + 1, min(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=rf"--core-cpus names cpus \[{not_mine}\]"):
+        engine_config_from_args(parser.parse_args(["--port", "1", "--core-cpus", str(not_mine)]), "producer")
+    config = engine_config_from_args(parser.parse_args(["--port", "1", "--core-cpus", str(mine)]), "producer")
+    assert config.core_cpus == [mine]

@@ -1,5 +1,6 @@
 """CPU placement: every engine runs as many torch threads as CPUs it may use, ``pdserve
-cluster`` gives each engine cores of its own, and ``--dtype auto`` follows the CPU's bf16.
+cluster`` gives each engine's core process cores of its own (its front runs anywhere), and
+``--dtype auto`` follows the CPU's bf16.
 
 The end-to-end test starts the real ``pdserve cluster`` command and reads what the kernel says
 about every process and thread of it (``/proc``), and what each engine reports over gRPC.
@@ -7,6 +8,7 @@ about every process and thread of it (``/proc``), and what each engine reports o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -141,6 +143,15 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _own_thread_affinities(pid: int) -> dict[int, set[int]]:
+    """{thread id: its affinity} for the threads of ``pid`` alone (not its children)."""
+    out: dict[int, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            out[int(task.name)] = set(parse_cpu_list(_proc_status(pid, "Cpus_allowed_list", int(task.name))))
+    return out
+
+
 def _thread_affinities(pid: int) -> dict[int, set[int]]:
     """{thread id: its affinity} for every thread of ``pid`` and of its descendants."""
     out: dict[int, set[int]] = {}
@@ -203,13 +214,19 @@ def test_cluster_places_each_engine_on_cores_of_its_own_with_one_thread_per_core
         assert rows["router"][2] == "any", output
 
         affinities = {name: _thread_affinities(pid) for name, (_, pid, _) in rows.items()}
-        prefill_cpus = set().union(*affinities["prefill-0"].values())
-        decode_cpus = set().union(*affinities["decode-0"].values())
-        # Every thread of an engine (front, core, torch's pool) stays on its engine's core.
-        assert prefill_cpus == {cpus[0]}, affinities["prefill-0"]
-        assert decode_cpus == {cpus[1]}, affinities["decode-0"]
+        fronts = {name: _own_thread_affinities(pid) for name, (_, pid, _) in rows.items()}
+        cores = {name: {tid: mask for tid, mask in affinities[name].items() if tid not in fronts[name]}
+                 for name in ("prefill-0", "decode-0")}  # fmt: skip
+        prefill_cpus = set().union(*cores["prefill-0"].values())
+        decode_cpus = set().union(*cores["decode-0"].values())
+        # Every thread of an engine's core process (the steps, torch's pool, ZMQ) stays on its
+        # engine's core; the fronts (gRPC, streaming) run anywhere, like the router.
+        assert cores["prefill-0"] and cores["decode-0"], affinities
+        assert prefill_cpus == {cpus[0]}, cores["prefill-0"]
+        assert decode_cpus == {cpus[1]}, cores["decode-0"]
         assert not prefill_cpus & decode_cpus
-        assert set(cpus) <= set().union(*affinities["router"].values())  # unpinned
+        for name in ("prefill-0", "decode-0", "router"):
+            assert all(set(cpus) <= mask for mask in fronts[name].values()), (name, fronts[name])
 
         for name, want in (("prefill-0", cpus[0]), ("decode-0", cpus[1])):
             info = _engine_info(rows[name][0])

@@ -8,6 +8,7 @@ so a killed front never leaves a core holding memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -118,6 +119,16 @@ class CoreServer:
 SWITCH_INTERVAL_S = 0.0005
 
 
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process to ``cpus``: the ones started by imports already (the
+    mask is per thread), and through the main thread's mask every one started later (torch's
+    pool, ZMQ's I/O thread)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+    os.sched_setaffinity(0, cpus)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-core")
     parser.add_argument("--input", required=True)
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     try:
+        if config.core_cpus is not None:
+            pin_process(config.core_cpus)
         # Before any torch work: threads sized to this process's CPUs, not the machine's.
         threads = configure_torch_threads(config.threads)
         core = build_engine_core(config)

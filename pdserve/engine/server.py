@@ -35,6 +35,7 @@ from pdserve.config import (
     default_quantization,
 )
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
+from pdserve.engine.cpu_resources import allowed_cpus, parse_cpu_list
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.request import validate_prompt
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -320,6 +321,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="torch threads of the engine core (default: $OMP_NUM_THREADS if set, else the CPUs the "
         "process may use: its affinity and cgroup CPU quota, whichever is smaller)",
     )
+    parser.add_argument(
+        "--core-cpus",
+        type=parse_cpu_list,
+        default=None,
+        help='pin the engine core (model steps, torch threads) to these cpus ("1", "2-3"); the '
+        "front (gRPC, streaming) runs wherever this process may. pdserve cluster passes each "
+        "engine its share, so that token streaming does not take a decode engine's cycles",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
@@ -370,6 +379,11 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
     import os
 
     token = args.cluster_token or os.environ.get("PDSERVE_CLUSTER_TOKEN") or None
+    outside = sorted(set(args.core_cpus or ()) - set(allowed_cpus()))
+    if outside:
+        raise ValueError(
+            f"--core-cpus names cpus {outside} this process may not use (it may use {allowed_cpus()})"
+        )
     kv = None
     if kv_role is not None:
         kv = KVTransferConfig(
@@ -400,6 +414,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
         ),
         kv_transfer=kv,
         threads=args.threads,
+        core_cpus=args.core_cpus,
         kv_events=KVEventsConfig(host=args.host, port=args.kv_events_port)
         if args.kv_events_port is not None
         else None,
