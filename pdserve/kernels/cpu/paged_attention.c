@@ -352,9 +352,45 @@ static void values_of_block8(const void *kv, int kv_is_bf16, int64_t base, int64
     }
 }
 
+/* The 8 sums of lanes of p[0..7], in order: a transposed reduction (6 horizontal adds, 2 lane
+ * permutes, 1 add for 8 sums, where one sum at a time costs 4 shuffles and adds each). */
+static inline __m256 sum_lanes_8(const __m256 *p) {
+    const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+    const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* [0..3 low | 0..3 high], [4..7 ...] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[o] = q . k[o] for 8 positions of one KV head (rows token_stride apart), as one vector:
+ * eight independent fma chains over head_dim, reduced together (sum_lanes_8). With nvec a
+ * constant the sums stay in registers. */
+static inline __attribute__((always_inline)) __m256 dots8_as(const void *kv, int kv_is_bf16, int64_t offset,
+                                                             int64_t token_stride, const float *q, const int nvec) {
+    __m256 sums[8];
+    for (int j = 0; j < 8; j++) sums[j] = _mm256_setzero_ps();
+    for (int i = 0; i < nvec; i++) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * i);
+        for (int j = 0; j < 8; j++) {
+            __m256 k;
+            load_vecs8(kv, kv_is_bf16, offset + j * token_stride + 8 * i, 1, &k);
+            sums[j] = _mm256_fmadd_ps(qv, k, sums[j]);
+        }
+    }
+    return sum_lanes_8(sums);
+}
+
+static __m256 dots8(const void *kv, int kv_is_bf16, int64_t offset, int64_t token_stride, const float *q, int nvec) {
+    switch (nvec) {
+        case 4: return dots8_as(kv, kv_is_bf16, offset, token_stride, q, 4);
+        case 8: return dots8_as(kv, kv_is_bf16, offset, token_stride, q, 8);
+        case 16: return dots8_as(kv, kv_is_bf16, offset, token_stride, q, 16);
+        default: return dots8_as(kv, kv_is_bf16, offset, token_stride, q, nvec);
+    }
+}
+
 /* The task of one sequence, every head, with head_dim a multiple of 8: decode_seq_avx512's
- * passes with 8-wide vectors (positions read in cache order, each row once for every query head
- * that shares it; probabilities; values block by block). */
+ * passes with 8-wide vectors (a block's positions read in cache order, 8 at a time for each
+ * query head sharing their KV head; probabilities; values block by block). */
 static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */, int64_t num_heads,
                             int64_t num_kv_heads, int nvec, const void *kv, int kv_is_bf16, const int32_t *table,
                             int64_t len, int64_t block_size, int64_t block_stride, int64_t half_stride,
@@ -362,13 +398,26 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
                             float *acc /* [num_heads][head_dim] */) {
     const int64_t head_dim = (int64_t)nvec * 8, group = num_heads / num_kv_heads;
     float maxes[MAX_HEADS];
-    for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
+    __m256 max8[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) {
+        maxes[h] = -INFINITY;
+        max8[h] = _mm256_set1_ps(-INFINITY);
+    }
     __m256 row[MAX_VECS8];
     const int64_t num_blocks = (len + block_size - 1) / block_size, elem = kv_is_bf16 ? 2 : 4;
     for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
         const int64_t positions = min64(len - first, block_size), base = (int64_t)table[block] * block_stride;
         prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, 0, half_stride);
-        for (int64_t o = 0; o < positions; o++) {
+        int64_t o = 0;
+        for (; o + 8 <= positions; o += 8) /* 8 positions at a time: a KV head's rows stay in L1 */
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+                for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+                    const __m256 dots = dots8(kv, kv_is_bf16, base + o * token_stride + kvh * head_dim,
+                                              token_stride, qf + h * head_dim, nvec);
+                    _mm256_storeu_ps(scores + h * len + first + o, dots);
+                    max8[h] = _mm256_max_ps(max8[h], dots);
+                }
+        for (; o < positions; o++) { /* the block's last positions, one at a time */
             for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
                 load_vecs8(kv, kv_is_bf16, base + o * token_stride + kvh * head_dim, nvec, row);
                 for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
@@ -381,6 +430,11 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
                 }
             }
         }
+    }
+    for (int64_t h = 0; h < num_heads; h++) { /* the 8-at-a-time maxima into the scalar ones */
+        float lanes[8];
+        _mm256_storeu_ps(lanes, max8[h]);
+        for (int i = 0; i < 8; i++) maxes[h] = lanes[i] > maxes[h] ? lanes[i] : maxes[h];
     }
     for (int64_t h = 0; h < num_heads; h++) {
         float *sh = scores + h * len;
