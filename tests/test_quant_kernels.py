@@ -185,11 +185,13 @@ def test_odd_block_counts_and_partial_scale_groups(in_features, rows):
 
 @pytest.mark.parametrize("ggml_type", [GGML.Q4_1, GGML.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [7, 8, 13])
-def test_a_row_of_fp32_activations_gets_the_same_result_in_any_batch(ggml_type, out_features):
-    """fp32 activations: one row's outputs are bit-identical alone, in pairs and in larger tiles
-    (the kernels tile one or two rows over several output rows, larger batches over rows of x;
-    every (row, output) pair sums in the same order), with output counts that leave a partial
-    tile. A request's logits then do not depend on what it is batched with."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_gets_the_same_result_in_any_batch(ggml_type, out_features, dtype):
+    """One row's outputs are bit-identical alone, in pairs and in larger tiles (the kernels tile
+    one or two rows over several output rows, larger batches over rows of x; every (row,
+    output) pair sums in the same order, on one route whatever the batch), with output counts
+    that leave a partial tile, in fp32 and in bf16 (on AVX512-BF16 CPUs bf16 takes a route of
+    its own). A request's logits then do not depend on what it is batched with."""
     in_features = 608  # 19 blocks: an odd count and a partial group of 16 minima
     weights = (
         np.random.default_rng(out_features).standard_normal((out_features, in_features)).astype(np.float32)
@@ -197,7 +199,7 @@ def test_a_row_of_fp32_activations_gets_the_same_result_in_any_batch(ggml_type, 
     kind, blocks = to_kernel_blocks(
         ggml_type, gguf.quants.quantize(weights, ggml_type), out_features, in_features
     )
-    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(11)).to(dtype)
     together = cpu_quant.quant_matmul(x, kind, blocks, in_features)
     for i in range(len(x)):
         assert torch.equal(cpu_quant.quant_matmul(x[i : i + 1], kind, blocks, in_features)[0], together[i])
@@ -205,5 +207,8 @@ def test_a_row_of_fp32_activations_gets_the_same_result_in_any_batch(ggml_type, 
         assert torch.equal(
             cpu_quant.quant_matmul(x[i : i + 2], kind, blocks, in_features), together[i : i + 2]
         )
-    expected = x @ cpu_quant.dequantize_ref(kind, blocks, in_features).T
-    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    expected = x.float() @ cpu_quant.dequantize_ref(kind, blocks, in_features).T
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output's own rounding
+    torch.testing.assert_close(
+        together.float(), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max())
+    )

@@ -10,18 +10,21 @@
  *   Q8_0: GGUF's own blocks, fp16 d then int8 qs[32] (34 bytes / 32 weights), w[j] = d * qs[j].
  * Q4_0 and Q4_K are converted to Q4_1 at load (see pdserve/engine/model/gguf_blocks.py).
  *
- * Three routes:
- *   lut:  bf16 activations, Q4_1, up to LUT_ROUTE_MAX_ROWS rows (decode steps of one to a few
- *         sequences, bound by decoding the blocks): the nibbles of two blocks become their bf16
- *         values (exact: 0-15) through one vpermw each, one vdpbf16ps per half multiplies them by
- *         x, and d and m are applied per block in fp32 (m through x's block sums): exact
- *         weights, about half the instructions of decoding to fp32;
- *   fp32: x in fp32 (a bf16 x widened exactly), each block decoded once (one fma: d * q + m) and
- *         used against up to ROWS_PER_TILE rows with fp32 fmas: exact weights (fp32 activations,
- *         and small bf16 batches of Q8_0);
- *   bf16: the decoded block rounded to bf16 (as a dense bf16 copy of the same weights holds it),
- *         then one vdpbf16ps (32 multiply-adds) per row: bf16 activations in larger batches,
- *         which are bound by arithmetic (AVX512-BF16 CPUs only).
+ * Three routes, each taken for every batch size it serves, so that a row's result does not
+ * depend on what it is batched with:
+ *   lut:  bf16 activations and Q4_1 (AVX512-BF16 CPUs): the nibbles of two blocks become their
+ *         bf16 values (exact: 0-15) through one vpermw each, one vdpbf16ps per half multiplies
+ *         them by x, and d and m are applied per block in fp32 (m through x's block sums): exact
+ *         weights, about half the instructions of decoding to fp32; up to LUT_ROWS_PER_TILE
+ *         rows of x share a decode;
+ *   bf16: bf16 activations and Q8_0 (AVX512-BF16 CPUs): the decoded block rounded to bf16 (as
+ *         a dense bf16 copy of the same weights holds it), then one vdpbf16ps (32
+ *         multiply-adds) per row of x;
+ *   fp32: x in fp32 (a bf16 x widened exactly on other CPUs), each block decoded once (one fma:
+ *         d * q + m) and used against up to ROWS_PER_TILE rows with fp32 fmas: exact weights.
+ * bf16 activations used to switch from the fp32 route to the bf16 one at four rows of x; a
+ * row's result then depended on its batch. The LM head (Q8_0) at eight rows: 2.6-2.8 ms on the
+ * bf16 route, 5-6 on the fp32 one (one Zen 5 core).
  * A decode step at batch 1-8 reads every weight once, so the point is to stream 5 (Q4_1) or 8.5
  * (Q8_0) bits a weight instead of 16 (bf16) and keep the decode cheap enough to stay near the
  * memory floor. Rows of W are split between OpenMP threads.
@@ -49,8 +52,7 @@
 #endif
 
 #define ROWS_PER_TILE 8
-#define FP32_ROUTE_MAX_ROWS 3
-#define LUT_ROUTE_MAX_ROWS 3
+#define LUT_ROWS_PER_TILE 4
 
 /* x as fp32 [M, K]: a copy when x is bf16, x itself when it is fp32. */
 static const float *widen(const void *x, int x_is_bf16, int64_t count, float **owned) {
@@ -235,7 +237,7 @@ static inline __attribute__((always_inline)) void row_dots_lut(const uint8_t *w_
     const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i low_nibble = _mm512_set1_epi16(15);
     const uint16_t *d_all = (const uint16_t *)(w_row + K / 2), *m_all = d_all + blocks;
-    __m512 acc[LUT_ROUTE_MAX_ROWS], acc_m[LUT_ROUTE_MAX_ROWS];
+    __m512 acc[LUT_ROWS_PER_TILE], acc_m[LUT_ROWS_PER_TILE];
     for (int r = 0; r < rows; r++) acc[r] = acc_m[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < blocks; g += 16) {
         const int64_t in_group = blocks - g < 16 ? blocks - g : 16;
@@ -295,15 +297,21 @@ static void lut_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
     float *xsum = (float *)malloc((size_t)(M * xsum_stride) * sizeof(float));
     lut_prepare(x, M, K, xr, xr_stride, xsum, xsum_stride);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        float dot[LUT_ROUTE_MAX_ROWS];
-        switch (M) {
-            case 1: row_dots_lut(w + n * row_bytes, blocks, K, xr, xr_stride, xsum, xsum_stride, 1, dot); break;
-            case 2: row_dots_lut(w + n * row_bytes, blocks, K, xr, xr_stride, xsum, xsum_stride, 2, dot); break;
-            default: row_dots_lut(w + n * row_bytes, blocks, K, xr, xr_stride, xsum, xsum_stride, 3, dot); break;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += LUT_ROWS_PER_TILE) {
+            const uint16_t *xr_tile = xr + m0 * xr_stride;
+            const float *xsum_tile = xsum + m0 * xsum_stride;
+            float dot[LUT_ROWS_PER_TILE];
+            switch (M - m0 < LUT_ROWS_PER_TILE ? M - m0 : LUT_ROWS_PER_TILE) {
+#define LUT_ROWS_CASE(ROWS)                                                                                 \
+    case ROWS:                                                                                              \
+        row_dots_lut(w + n * row_bytes, blocks, K, xr_tile, xr_stride, xsum_tile, xsum_stride, ROWS, dot); \
+        break;
+                LUT_ROWS_CASE(1) LUT_ROWS_CASE(2) LUT_ROWS_CASE(3) LUT_ROWS_CASE(4)
+#undef LUT_ROWS_CASE
+            }
+            for (int64_t r = m0; r < M && r < m0 + LUT_ROWS_PER_TILE; r++) store(y, y_is_bf16, r * N + n, dot[r - m0]);
         }
-        for (int64_t r = 0; r < M; r++) store(y, y_is_bf16, r * N + n, dot[r]);
-    }
     free(xr);
     free(xsum);
 }
@@ -539,13 +547,11 @@ void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t 
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
 #if defined(__AVX512BF16__)
-    if (kind == 0 && x_is_bf16 && M <= LUT_ROUTE_MAX_ROWS) {
+    if (kind == 0 && x_is_bf16) {
         lut_matmul((const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads);
         return;
     }
-    /* Up to three rows are bound by decoding the blocks, which the fp32 route does in fewer
-     * instructions (no bf16 packing); from four rows on, vdpbf16ps's doubled arithmetic wins. */
-    if (x_is_bf16 && M > FP32_ROUTE_MAX_ROWS) {
+    if (x_is_bf16) { /* Q8_0 */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t n = 0; n < N; n++) {
             float dot[ROWS_PER_TILE];
