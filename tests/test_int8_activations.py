@@ -66,7 +66,7 @@ def test_the_kernel_computes_what_the_reference_does(ggml_type, rows, dtype):
 
 
 @pytest.mark.parametrize("ggml_type", [GGML.Q4_1, GGML.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("in_features", [32, 96, 256, 608, 1536], ids=lambda k: f"{k // 32}-blocks")
+@pytest.mark.parametrize("in_features", [32, 64, 96, 256, 576, 608, 1536], ids=lambda k: f"{k // 32}-blocks")
 @pytest.mark.parametrize("out_features", [1, 4, 7, 13])
 def test_every_block_and_output_count(ggml_type, in_features, out_features):
     kind, blocks = kernel_blocks(ggml_type, out_features, in_features, seed=in_features + out_features)

@@ -43,7 +43,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_quant_matmul_a8.restype = cint
 
 
-KERNELS = CLibrary("quant_matmul.c", _declare, "quantized-weight matmuls", links=("int8_activations.c",))
+KERNELS = CLibrary(
+    "quant_matmul.c", _declare, "quantized-weight matmuls", links=("int8_activations.c", "int8_vnni.c")
+)
 
 
 def library() -> ctypes.CDLL:

@@ -19,6 +19,11 @@
 #if !defined(__AVX512F__)
 #define AVX2_ROUTE 1
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+/* vpdpbusd on 512 bits (AMD Zen 4/5, Intel Ice Lake on): the int8-activation Q4_1 kernel of
+ * int8_vnni.c. */
+#define HAS_AVX512_VNNI 1
+#endif
 #include <immintrin.h>
 #include "blocks.h"
 

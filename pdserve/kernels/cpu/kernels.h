@@ -16,6 +16,11 @@ void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t 
 int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                        void *y, int y_is_bf16, int threads);
 
+/* int8_vnni.c (AVX512-VNNI CPUs only) */
+void int8_quad_order(const int8_t *q, int64_t M, int64_t K, int8_t *out, int64_t quad_stride);
+void a8_vnni_q4_1(const int8_t *xq, int64_t quad_stride, const float *xd, const float *xs, int64_t stride,
+                  int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
+
 /* layer_ops.c */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
                  int64_t dim, float eps, int is_bf16);
