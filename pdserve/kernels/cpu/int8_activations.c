@@ -23,8 +23,8 @@
  * went from 1.88 to 1.25 ns a block; streamed from memory, from 1.5-1.6x to 1.33-1.43x the time of
  * a pure read of their bytes (one core of the AMD EPYC Zen 3 here).
  *
- * On CPUs with AVX512-VNNI, Q4_1 runs four blocks a step on 512-bit vpdpbusd instead
- * (int8_vnni.c); Q8_0 stays on the kernel here.
+ * On CPUs with AVX512-VNNI both run on 512-bit vpdpbusd instead (int8_vnni.c): Q4_1 four blocks
+ * a step, Q8_0 two.
  *
  * A row's sum runs the same way whatever M is (one chain of fmas a block; Q4_1's minima into
  * it 8 blocks at a time), so a request's logits do not depend on what it is batched with.
@@ -326,6 +326,38 @@ static void matmul_a8_plain(int kind, const int8_t *q, const float *d, const flo
 }
 #endif
 
+#if defined(HAS_AVX512_VNNI)
+/* The 512-bit vpdpbusd kernels of int8_vnni.c over x quantized into q (natural order), d and s:
+ * Q4_1 reads x in quad order, Q8_0 padded, with its lanes' starting sums. Returns 0, or -1 when
+ * a buffer could not be allocated. */
+static int matmul_a8_vnni(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M,
+                          int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
+    const int64_t blocks = K / QK;
+    if (kind == 0) {
+        const int64_t quad_stride = (blocks + 3) / 4 * 4 * QK;
+        int8_t *quads = (int8_t *)malloc((size_t)(M * quad_stride));
+        if (quads == NULL) return -1;
+        int8_quad_order(q, M, K, quads, quad_stride);
+        a8_vnni_q4_1(quads, quad_stride, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
+        free(quads);
+        return 0;
+    }
+    const int64_t padded = (blocks + 1) / 2 * 2 * QK;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * padded));
+    int32_t *start = (int32_t *)malloc((size_t)(M * padded / 4) * sizeof(int32_t));
+    if (xq == NULL || start == NULL) {
+        free(xq);
+        free(start);
+        return -1;
+    }
+    int8_q8_0_x(q, M, K, xq, start, padded);
+    a8_vnni_q8_0(xq, start, padded, d, stride, M, K, w, N, y, y_is_bf16, threads);
+    free(xq);
+    free(start);
+    return 0;
+}
+#endif
+
 /*
  * y[M, N] = x[M, K] @ W^T with x quantized to int8 per block of 32 (the header). kind 0: Q4_1
  * rows, 1: Q8_0 blocks, as pd_quant_matmul takes them; x and y bf16 (flag 1) or fp32 (flag 0),
@@ -347,23 +379,11 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
     }
     quantize_rows(x, x_is_bf16, M, K, q, d, s, stride);
 #if defined(HAS_AVX512_VNNI)
-    if (kind == 0) { /* four blocks a step on 512-bit vpdpbusd (int8_vnni.c) */
-        const int64_t quad_stride = (blocks + 3) / 4 * 4 * QK;
-        int8_t *quads = (int8_t *)malloc((size_t)(M * quad_stride));
-        if (quads == NULL) {
-            free(q);
-            free(d);
-            free(s);
-            return -1;
-        }
-        int8_quad_order(q, M, K, quads, quad_stride);
-        a8_vnni_q4_1(quads, quad_stride, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
-        free(quads);
-        free(q);
-        free(d);
-        free(s);
-        return 0;
-    }
+    const int status = matmul_a8_vnni(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
+    free(q);
+    free(d);
+    free(s);
+    return status;
 #endif
 #if defined(HAS_AVX2)
     if (kind == 0) pair_order(q, M, K);

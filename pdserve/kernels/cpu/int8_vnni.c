@@ -16,6 +16,13 @@
  * their second halves; a row's last, partial quad padded with zeros, so that whatever the nibble
  * bytes read there are, they add nothing. Scales come 16 blocks at a time (d, and x's d and s,
  * padded with zeros to a multiple of 16 blocks); the minima's part m s is added per 16 blocks.
+ *
+ * Q8_0 (the LM head, and every matrix of --quantization int8-a8) runs two blocks a step: their
+ * signed weights become unsigned by flipping the top bit (w + 128), and x's part of that,
+ * -128 times the sum of each four of x's int8, is where the int32 lanes start (int8_q8_0_x
+ * keeps it beside x), so vpdpbusd leaves the exact signed dot. A row's 16 scales are one
+ * gather (they sit at the start of each 34-byte block).
+ *
  * Every (weight row, row of x) pair sums in the same order whatever the tile it is computed in,
  * so a request's logits do not depend on what it is batched with.
  */
@@ -33,7 +40,7 @@
 /* Weight rows a tile serves at one row of x (independent chains hide the latency), and rows of x
  * a tile serves otherwise (each holds an accumulator and a scale vector: 16 of 32 registers). */
 #define VNNI_COLS_PER_TILE 4
-#define VNNI_ROWS_PER_TILE 4
+#define VNNI_ROWS_PER_TILE 8
 
 /* x's int8 [M, K] (natural order) into quad order [M, quad_stride] (see the header). */
 void int8_quad_order(const int8_t *q, int64_t M, int64_t K, int8_t *out, int64_t quad_stride) {
@@ -162,6 +169,127 @@ void a8_vnni_q4_1(const int8_t *xq, int64_t quad_stride, const float *xd, const 
             float dot[VNNI_ROWS_PER_TILE];
             row_tile_vnni(w + n * row_bytes, row_bytes, K, xq + m0 * quad_stride, quad_stride, xd + m0 * stride,
                           xs + m0 * stride, stride, rows, dot);
+            for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
+        }
+}
+
+/* x's int8 [M, K] for the Q8_0 kernel: rows padded with zeros to `padded` (a multiple of 64), and
+ * beside them where each int32 lane of vpdpbusd starts: -128 times the sum of its four bytes of x
+ * ([M, padded / 4]), which takes back the 128 added to every weight. */
+void int8_q8_0_x(const int8_t *q, int64_t M, int64_t K, int8_t *out, int32_t *start, int64_t padded) {
+    memset(out, 0, (size_t)(M * padded));
+    memset(start, 0, (size_t)(M * padded / 4) * sizeof(int32_t));
+    for (int64_t r = 0; r < M; r++) {
+        memcpy(out + r * padded, q + r * K, (size_t)K);
+        for (int64_t j = 0; j < K / 4; j++) {
+            const int8_t *four = q + r * K + 4 * j;
+            start[r * padded / 4 + j] = -128 * (four[0] + four[1] + four[2] + four[3]);
+        }
+    }
+}
+
+/* The scales of `count` (1-16) Q8_0 blocks from `row`, as fp32: a gather of the dword at each
+ * block's start (its fp16 d and two weights), cut to 16 bits. */
+static inline __m512 q8_0_scales(const uint8_t *row, int64_t count) {
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(Q8_0_BYTES));
+    const __mmask16 live = (__mmask16)((1u << count) - 1);
+    const __m512i dwords = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, row, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dwords));
+}
+
+/* Two Q8_0 blocks' 64 weights from `block` (the second only when `both`), each plus 128. */
+static inline __m512i q8_0_pair(const uint8_t *block, int both) {
+    const __m256i first = _mm256_loadu_si256((const __m256i *)(block + 2));
+    const __m256i second = both ? _mm256_loadu_si256((const __m256i *)(block + Q8_0_BYTES + 2)) : _mm256_setzero_si256();
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), _mm512_set1_epi8((char)0x80));
+}
+
+/* `cols` Q8_0 weight rows against `rows` rows of padded x: dot[c * rows + r]. */
+static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int64_t K,
+                                                                 const int8_t *xq, const int32_t *start,
+                                                                 int64_t padded, const float *xd, int64_t stride,
+                                                                 int cols, int rows, float *dot) {
+    const int64_t blocks = K / QK;
+    __m512 acc[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE], dd[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE];
+    for (int i = 0; i < cols * rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < blocks; g += 16) {
+        const int64_t in_group = blocks - g < 16 ? blocks - g : 16;
+#pragma GCC unroll 4
+        for (int c = 0; c < cols; c++) {
+            const uint8_t *group = w + c * row_bytes + g * Q8_0_BYTES;
+            const uint8_t *next = cols > 1 ? group + 2 * cols * row_bytes : group + ROW_PREFETCH_BYTES;
+            for (int line = 0; line < 9; line++) _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T0);
+            const __m512 dw = q8_0_scales(group, in_group);
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) dd[c * rows + r] = _mm512_mul_ps(dw, _mm512_loadu_ps(xd + r * stride + g));
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            if (2 * k >= in_group) break;
+            const __m512i lanes = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                                                   2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k,
+                                                   2 * k, 2 * k);
+#pragma GCC unroll 4
+            for (int c = 0; c < cols; c++) {
+                const __m512i pair = q8_0_pair(w + c * row_bytes + (g + 2 * k) * Q8_0_BYTES, 2 * k + 1 < in_group);
+#pragma GCC unroll 8
+                for (int r = 0; r < rows; r++) {
+                    const int64_t at = r * padded + (g + 2 * k) * QK;
+                    const __m512i dots = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + at / 4), pair,
+                                                             _mm512_loadu_si512(xq + at));
+                    const __m512 scale = _mm512_permutexvar_ps(lanes, dd[c * rows + r]);
+                    acc[c * rows + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[c * rows + r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < cols * rows; i++) dot[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+static void row_tile_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int64_t K, const int8_t *xq,
+                               const int32_t *start, int64_t padded, const float *xd, int64_t stride, int rows,
+                               float *dot) {
+#define VNNI_ROWS_CASE(ROWS) \
+    case ROWS:               \
+        tile_q8_0_vnni(w, row_bytes, K, xq, start, padded, xd, stride, 1, ROWS, dot); \
+        break;
+    switch (rows) {
+        VNNI_ROWS_CASE(1) VNNI_ROWS_CASE(2) VNNI_ROWS_CASE(3) VNNI_ROWS_CASE(4)
+        VNNI_ROWS_CASE(5) VNNI_ROWS_CASE(6) VNNI_ROWS_CASE(7) VNNI_ROWS_CASE(8)
+    }
+#undef VNNI_ROWS_CASE
+}
+
+/* y[M, N] over Q8_0 blocks w, x as int8_q8_0_x gives it (xq and start, rows `padded` apart) with
+ * its scales xd [M, stride]. */
+void a8_vnni_q8_0(const int8_t *xq, const int32_t *start, int64_t padded, const float *xd, int64_t stride, int64_t M,
+                  int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
+    const int64_t row_bytes = K / QK * Q8_0_BYTES;
+    if (M == 1) {
+        const int64_t tiles = (N + VNNI_COLS_PER_TILE - 1) / VNNI_COLS_PER_TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t n0 = tile * VNNI_COLS_PER_TILE;
+            float dot[VNNI_COLS_PER_TILE];
+            if (n0 + VNNI_COLS_PER_TILE <= N)
+                tile_q8_0_vnni(w + n0 * row_bytes, row_bytes, K, xq, start, padded, xd, stride, VNNI_COLS_PER_TILE, 1,
+                               dot);
+            else
+                for (int64_t n = n0; n < N; n++)
+                    tile_q8_0_vnni(w + n * row_bytes, row_bytes, K, xq, start, padded, xd, stride, 1, 1,
+                                   dot + (n - n0));
+            for (int64_t n = n0; n < N && n < n0 + VNNI_COLS_PER_TILE; n++) put_f32(y, y_is_bf16, n, dot[n - n0]);
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS_PER_TILE) {
+            const int rows = (int)(M - m0 < VNNI_ROWS_PER_TILE ? M - m0 : VNNI_ROWS_PER_TILE);
+            float dot[VNNI_ROWS_PER_TILE];
+            row_tile_q8_0_vnni(w + n * row_bytes, row_bytes, K, xq + m0 * padded, start + m0 * padded / 4, padded,
+                               xd + m0 * stride, stride, rows, dot);
             for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
         }
 }
