@@ -322,7 +322,9 @@ def test_gguf_variants_pass_their_engine_args_after_the_common_ones():
     assert peers.engine_args_of("gguf-cluster", args) == "--num-blocks 512 --quantization gguf"
     other = peers.build_parser().parse_args(["--gguf-engine-args", "--quantization gguf --foo 1"])
     assert peers.engine_args_of("gguf-colocated", other) == "--quantization gguf --foo 1"
-    assert set(peers.GGUF_VARIANTS) <= set(peers.SETUPS) and peers.LLAMACPP in peers.DEFAULT_SETUPS
+    assert peers.engine_args_of("gguf-a8-cluster", other) == "--quantization gguf-a8"
+    assert peers.engine_args_of("dense-colocated", args) == "--num-blocks 512 --quantization none"
+    assert set(peers.VARIANTS) <= set(peers.SETUPS) and peers.LLAMACPP in peers.DEFAULT_SETUPS
 
 
 @pytest.mark.slow

@@ -83,15 +83,19 @@ from pdserve.supervisor import SupervisedProcess, Supervisor
 SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated", "gguf-a8-cluster",
           "gguf-a8-colocated", "dense-cluster", "dense-colocated")  # fmt: skip
 DEFAULT_SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated")
-# {variant: the pdserve setup it runs}: the same processes with --gguf-engine-args on each engine.
-GGUF_VARIANTS = {"gguf-cluster": "default-cluster", "gguf-colocated": "colocated"}
 DEFAULT_GGUF_ENGINE_ARGS = "--quantization gguf"
-# The same with dense weights on every engine (--quantization none: the default until "auto").
-DENSE_VARIANTS = {"dense-cluster": "default-cluster", "dense-colocated": "colocated"}
-DENSE_ENGINE_ARGS = "--quantization none"
-# The file's blocks with int8 activations in the decode matmuls (opt-in, llama.cpp's arithmetic).
-A8_VARIANTS = {"gguf-a8-cluster": "default-cluster", "gguf-a8-colocated": "colocated"}
-A8_ENGINE_ARGS = "--quantization gguf-a8"
+# {variant: (the pdserve setup it runs, the extra args of each of its engines)}; None: the run's
+# --gguf-engine-args (default: the file's blocks, --quantization gguf).
+VARIANTS: dict[str, tuple[str, str | None]] = {
+    "gguf-cluster": ("default-cluster", None),
+    "gguf-colocated": ("colocated", None),
+    # dense weights on every engine (--quantization none: the default until "auto")
+    "dense-cluster": ("default-cluster", "--quantization none"),
+    "dense-colocated": ("colocated", "--quantization none"),
+    # the file's blocks with int8 activations in the decode matmuls (opt-in, llama.cpp's arithmetic)
+    "gguf-a8-cluster": ("default-cluster", "--quantization gguf-a8"),
+    "gguf-a8-colocated": ("colocated", "--quantization gguf-a8"),
+}
 DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
 HOST = "127.0.0.1"
 SERVED_NAME = "SmolLM2-135M-Instruct"  # vLLM's --served-model-name and llama-server's --alias
@@ -151,22 +155,19 @@ def _pdserve(*argv: str) -> list[str]:
 
 
 def engine_args_of(setup: str, args: argparse.Namespace) -> str:
-    """The extra args of ``setup``'s pdserve engines: ``--engine-args``, then for a GGUF variant
-    ``--gguf-engine-args``."""
-    if setup in GGUF_VARIANTS:
-        return f"{args.engine_args} {args.gguf_engine_args}".strip()
-    if setup in DENSE_VARIANTS:
-        return f"{args.engine_args} {DENSE_ENGINE_ARGS}".strip()
-    if setup in A8_VARIANTS:
-        return f"{args.engine_args} {A8_ENGINE_ARGS}".strip()
-    return str(args.engine_args)
+    """The extra args of ``setup``'s pdserve engines: ``--engine-args``, then a variant's own
+    (``--gguf-engine-args`` for the gguf ones)."""
+    if setup not in VARIANTS:
+        return str(args.engine_args)
+    variant_args = VARIANTS[setup][1]
+    return f"{args.engine_args} {args.gguf_engine_args if variant_args is None else variant_args}".strip()
 
 
 def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
     """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
     args, timeout = ctx.args, ctx.args.startup_timeout
     model = ["--model", args.model] if args.model else []
-    kind = GGUF_VARIANTS.get(setup) or A8_VARIANTS.get(setup) or DENSE_VARIANTS.get(setup, setup)
+    kind = VARIANTS[setup][0] if setup in VARIANTS else setup
     engine_args_str = engine_args_of(setup, args)
     engine_args = shlex.split(engine_args_str)
 
