@@ -338,7 +338,7 @@ static int matmul_a8_vnni(int kind, const int8_t *q, const float *d, const float
         int8_t *quads = (int8_t *)malloc((size_t)(M * quad_stride));
         if (quads == NULL) return -1;
         int8_quad_order(q, M, K, quads, quad_stride);
-        a8_vnni_q4_1(quads, quad_stride, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
+        a8_vnni_matmul(0, quads, NULL, quad_stride, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
         free(quads);
         return 0;
     }
@@ -351,7 +351,7 @@ static int matmul_a8_vnni(int kind, const int8_t *q, const float *d, const float
         return -1;
     }
     int8_q8_0_x(q, M, K, xq, start, padded);
-    a8_vnni_q8_0(xq, start, padded, d, stride, M, K, w, N, y, y_is_bf16, threads);
+    a8_vnni_matmul(1, xq, start, padded, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
     free(xq);
     free(start);
     return 0;

@@ -42,6 +42,16 @@
 #define VNNI_COLS_PER_TILE 4
 #define VNNI_ROWS_PER_TILE 8
 
+/* x as the kernels read it: int8 q [M, q_stride] (Q4_1: quad order; Q8_0: natural order, padded,
+ * with each int32 lane's starting sum in start [M, q_stride / 4]), its scales d and scaled sums s
+ * [M, stride]. */
+typedef struct {
+    const int8_t *q;
+    const int32_t *start;
+    const float *d, *s;
+    int64_t q_stride, stride, K;
+} VnniX;
+
 /* x's int8 [M, K] (natural order) into quad order [M, quad_stride] (see the header). */
 void int8_quad_order(const int8_t *q, int64_t M, int64_t K, int8_t *out, int64_t quad_stride) {
     const int64_t blocks = K / QK;
@@ -73,11 +83,9 @@ static inline __m512i quad_lanes(int k) {
 }
 
 /* `cols` weight rows (row_bytes apart) against `rows` rows of quad-ordered x: dot[c * rows + r]. */
-static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, int64_t row_bytes, int64_t K,
-                                                            const int8_t *xq, int64_t quad_stride,
-                                                            const float *xd, const float *xs, int64_t stride,
-                                                            int cols, int rows, float *dot) {
-    const int64_t blocks = K / QK;
+static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, int64_t row_bytes, VnniX x, int cols,
+                                                            int rows, float *dot) {
+    const int64_t K = x.K, blocks = K / QK;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE], dd[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE];
     for (int i = 0; i < cols * rows; i++) acc[i] = _mm512_setzero_ps();
@@ -101,8 +109,8 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, in
             const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(group_mask, m_all + g));
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
-                dd[c * rows + r] = _mm512_mul_ps(dw, _mm512_loadu_ps(xd + r * stride + g));
-                acc[c * rows + r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xs + r * stride + g), acc[c * rows + r]);
+                dd[c * rows + r] = _mm512_mul_ps(dw, _mm512_loadu_ps(x.d + r * x.stride + g));
+                acc[c * rows + r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x.s + r * x.stride + g), acc[c * rows + r]);
             }
         }
 #pragma GCC unroll 4
@@ -116,9 +124,9 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, in
                 const __m512i second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
 #pragma GCC unroll 8
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *x = xq + r * quad_stride + (g + 4 * k) * QK;
-                    __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512(x));
-                    dots = _mm512_dpbusd_epi32(dots, second, _mm512_loadu_si512(x + 64));
+                    const int8_t *xq = x.q + r * x.q_stride + (g + 4 * k) * QK;
+                    __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512(xq));
+                    dots = _mm512_dpbusd_epi32(dots, second, _mm512_loadu_si512(xq + 64));
                     const __m512 scale = _mm512_permutexvar_ps(lanes, dd[c * rows + r]);
                     acc[c * rows + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[c * rows + r]);
                 }
@@ -126,53 +134,6 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, in
         }
     }
     for (int i = 0; i < cols * rows; i++) dot[i] = _mm512_reduce_add_ps(acc[i]);
-}
-
-/* tile_vnni over one weight row with `rows` (1-VNNI_ROWS_PER_TILE) as a constant, so that its
- * loops unroll into registers. */
-static void row_tile_vnni(const uint8_t *w, int64_t row_bytes, int64_t K, const int8_t *xq, int64_t quad_stride,
-                          const float *xd, const float *xs, int64_t stride, int rows, float *dot) {
-#define VNNI_ROWS_CASE(ROWS) \
-    case ROWS:               \
-        tile_vnni(w, row_bytes, K, xq, quad_stride, xd, xs, stride, 1, ROWS, dot); \
-        break;
-    switch (rows) {
-        VNNI_ROWS_CASE(1) VNNI_ROWS_CASE(2) VNNI_ROWS_CASE(3) VNNI_ROWS_CASE(4)
-        VNNI_ROWS_CASE(5) VNNI_ROWS_CASE(6) VNNI_ROWS_CASE(7) VNNI_ROWS_CASE(8)
-    }
-#undef VNNI_ROWS_CASE
-}
-
-/* y[M, N] over Q4_1 rows w, x given as quad-ordered int8 xq [M, quad_stride] with its scales xd
- * and scaled sums xs [M, stride] (stride a multiple of 16, zero past the row's blocks). */
-void a8_vnni_q4_1(const int8_t *xq, int64_t quad_stride, const float *xd, const float *xs, int64_t stride,
-                  int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
-    const int64_t row_bytes = K / QK * Q4_1_BYTES;
-    if (M == 1) {
-        const int64_t tiles = (N + VNNI_COLS_PER_TILE - 1) / VNNI_COLS_PER_TILE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t n0 = tile * VNNI_COLS_PER_TILE;
-            float dot[VNNI_COLS_PER_TILE];
-            if (n0 + VNNI_COLS_PER_TILE <= N)
-                tile_vnni(w + n0 * row_bytes, row_bytes, K, xq, quad_stride, xd, xs, stride, VNNI_COLS_PER_TILE, 1,
-                          dot);
-            else /* the last, partial tile: a row at a time, summed alike */
-                for (int64_t n = n0; n < N; n++)
-                    tile_vnni(w + n * row_bytes, row_bytes, K, xq, quad_stride, xd, xs, stride, 1, 1, dot + (n - n0));
-            for (int64_t n = n0; n < N && n < n0 + VNNI_COLS_PER_TILE; n++) put_f32(y, y_is_bf16, n, dot[n - n0]);
-        }
-        return;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS_PER_TILE) {
-            const int rows = (int)(M - m0 < VNNI_ROWS_PER_TILE ? M - m0 : VNNI_ROWS_PER_TILE);
-            float dot[VNNI_ROWS_PER_TILE];
-            row_tile_vnni(w + n * row_bytes, row_bytes, K, xq + m0 * quad_stride, quad_stride, xd + m0 * stride,
-                          xs + m0 * stride, stride, rows, dot);
-            for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
-        }
 }
 
 /* x's int8 [M, K] for the Q8_0 kernel: rows padded with zeros to `padded` (a multiple of 64), and
@@ -208,11 +169,9 @@ static inline __m512i q8_0_pair(const uint8_t *block, int both) {
 }
 
 /* `cols` Q8_0 weight rows against `rows` rows of padded x: dot[c * rows + r]. */
-static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int64_t K,
-                                                                 const int8_t *xq, const int32_t *start,
-                                                                 int64_t padded, const float *xd, int64_t stride,
+static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *w, int64_t row_bytes, VnniX x,
                                                                  int cols, int rows, float *dot) {
-    const int64_t blocks = K / QK;
+    const int64_t blocks = x.K / QK;
     __m512 acc[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE], dd[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE];
     for (int i = 0; i < cols * rows; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < blocks; g += 16) {
@@ -224,7 +183,7 @@ static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *
             for (int line = 0; line < 9; line++) _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T0);
             const __m512 dw = q8_0_scales(group, in_group);
 #pragma GCC unroll 8
-            for (int r = 0; r < rows; r++) dd[c * rows + r] = _mm512_mul_ps(dw, _mm512_loadu_ps(xd + r * stride + g));
+            for (int r = 0; r < rows; r++) dd[c * rows + r] = _mm512_mul_ps(dw, _mm512_loadu_ps(x.d + r * x.stride + g));
         }
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
@@ -237,9 +196,9 @@ static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *
                 const __m512i pair = q8_0_pair(w + c * row_bytes + (g + 2 * k) * Q8_0_BYTES, 2 * k + 1 < in_group);
 #pragma GCC unroll 8
                 for (int r = 0; r < rows; r++) {
-                    const int64_t at = r * padded + (g + 2 * k) * QK;
-                    const __m512i dots = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + at / 4), pair,
-                                                             _mm512_loadu_si512(xq + at));
+                    const int64_t at = r * x.q_stride + (g + 2 * k) * QK;
+                    const __m512i dots = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.start + at / 4), pair,
+                                                             _mm512_loadu_si512(x.q + at));
                     const __m512 scale = _mm512_permutexvar_ps(lanes, dd[c * rows + r]);
                     acc[c * rows + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[c * rows + r]);
                 }
@@ -249,38 +208,50 @@ static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *
     for (int i = 0; i < cols * rows; i++) dot[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-static void row_tile_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int64_t K, const int8_t *xq,
-                               const int32_t *start, int64_t padded, const float *xd, int64_t stride, int rows,
-                               float *dot) {
-#define VNNI_ROWS_CASE(ROWS) \
-    case ROWS:               \
-        tile_q8_0_vnni(w, row_bytes, K, xq, start, padded, xd, stride, 1, ROWS, dot); \
-        break;
+/* A tile of `cols` weight rows (VNNI_COLS_PER_TILE, at one row of x) or of one weight row against
+ * `rows` rows of x (1-VNNI_ROWS_PER_TILE), with the kind, cols and rows as constants, so that the
+ * tile's loops unroll into registers. */
+static inline __attribute__((always_inline)) void tile_dispatch(int kind, const uint8_t *w, int64_t row_bytes, VnniX x,
+                                                                int cols, int rows, float *dot) {
+#define VNNI_TILE(COLS, ROWS)                                      \
+    do {                                                           \
+        if (kind == 0)                                             \
+            tile_vnni(w, row_bytes, x, COLS, ROWS, dot);           \
+        else                                                       \
+            tile_q8_0_vnni(w, row_bytes, x, COLS, ROWS, dot);      \
+        return;                                                    \
+    } while (0)
+    if (cols == VNNI_COLS_PER_TILE) VNNI_TILE(VNNI_COLS_PER_TILE, 1);
     switch (rows) {
-        VNNI_ROWS_CASE(1) VNNI_ROWS_CASE(2) VNNI_ROWS_CASE(3) VNNI_ROWS_CASE(4)
-        VNNI_ROWS_CASE(5) VNNI_ROWS_CASE(6) VNNI_ROWS_CASE(7) VNNI_ROWS_CASE(8)
+        case 1: VNNI_TILE(1, 1);
+        case 2: VNNI_TILE(1, 2);
+        case 3: VNNI_TILE(1, 3);
+        case 4: VNNI_TILE(1, 4);
+        case 5: VNNI_TILE(1, 5);
+        case 6: VNNI_TILE(1, 6);
+        case 7: VNNI_TILE(1, 7);
+        default: VNNI_TILE(1, 8);
     }
-#undef VNNI_ROWS_CASE
+#undef VNNI_TILE
 }
 
-/* y[M, N] over Q8_0 blocks w, x as int8_q8_0_x gives it (xq and start, rows `padded` apart) with
- * its scales xd [M, stride]. */
-void a8_vnni_q8_0(const int8_t *xq, const int32_t *start, int64_t padded, const float *xd, int64_t stride, int64_t M,
-                  int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
-    const int64_t row_bytes = K / QK * Q8_0_BYTES;
-    if (M == 1) {
+/* y[M, N] over weight rows w of `kind` (0: Q4_1 rows, 1: Q8_0 blocks) and x as the kind's kernel
+ * reads it (see VnniX; int8_quad_order and int8_q8_0_x make it). */
+void a8_vnni_matmul(int kind, const int8_t *q, const int32_t *start, int64_t q_stride, const float *d, const float *s,
+                    int64_t stride, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
+                    int threads) {
+    const int64_t row_bytes = K / QK * block_bytes(kind);
+    const VnniX x = {q, start, d, s, q_stride, stride, K};
+    if (M == 1) { /* tiles of VNNI_COLS_PER_TILE weight rows: independent chains hide the latency */
         const int64_t tiles = (N + VNNI_COLS_PER_TILE - 1) / VNNI_COLS_PER_TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t n0 = tile * VNNI_COLS_PER_TILE;
             float dot[VNNI_COLS_PER_TILE];
             if (n0 + VNNI_COLS_PER_TILE <= N)
-                tile_q8_0_vnni(w + n0 * row_bytes, row_bytes, K, xq, start, padded, xd, stride, VNNI_COLS_PER_TILE, 1,
-                               dot);
-            else
-                for (int64_t n = n0; n < N; n++)
-                    tile_q8_0_vnni(w + n * row_bytes, row_bytes, K, xq, start, padded, xd, stride, 1, 1,
-                                   dot + (n - n0));
+                tile_dispatch(kind, w + n0 * row_bytes, row_bytes, x, VNNI_COLS_PER_TILE, 1, dot);
+            else /* the last, partial tile: a row at a time, summed alike */
+                for (int64_t n = n0; n < N; n++) tile_dispatch(kind, w + n * row_bytes, row_bytes, x, 1, 1, dot + (n - n0));
             for (int64_t n = n0; n < N && n < n0 + VNNI_COLS_PER_TILE; n++) put_f32(y, y_is_bf16, n, dot[n - n0]);
         }
         return;
@@ -289,9 +260,13 @@ void a8_vnni_q8_0(const int8_t *xq, const int32_t *start, int64_t padded, const 
     for (int64_t n = 0; n < N; n++)
         for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS_PER_TILE) {
             const int rows = (int)(M - m0 < VNNI_ROWS_PER_TILE ? M - m0 : VNNI_ROWS_PER_TILE);
+            VnniX tile = x;
+            tile.q += m0 * q_stride;
+            tile.start = start ? start + m0 * q_stride / 4 : NULL;
+            tile.d += m0 * stride;
+            tile.s += m0 * stride;
             float dot[VNNI_ROWS_PER_TILE];
-            row_tile_q8_0_vnni(w + n * row_bytes, row_bytes, K, xq + m0 * padded, start + m0 * padded / 4, padded,
-                               xd + m0 * stride, stride, rows, dot);
+            tile_dispatch(kind, w + n * row_bytes, row_bytes, tile, 1, rows, dot);
             for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
         }
 }

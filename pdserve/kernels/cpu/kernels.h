@@ -18,11 +18,10 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
 
 /* int8_vnni.c (AVX512-VNNI CPUs only) */
 void int8_quad_order(const int8_t *q, int64_t M, int64_t K, int8_t *out, int64_t quad_stride);
-void a8_vnni_q4_1(const int8_t *xq, int64_t quad_stride, const float *xd, const float *xs, int64_t stride,
-                  int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
 void int8_q8_0_x(const int8_t *q, int64_t M, int64_t K, int8_t *out, int32_t *start, int64_t padded);
-void a8_vnni_q8_0(const int8_t *xq, const int32_t *start, int64_t padded, const float *xd, int64_t stride, int64_t M,
-                  int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
+void a8_vnni_matmul(int kind, const int8_t *q, const int32_t *start, int64_t q_stride, const float *d, const float *s,
+                    int64_t stride, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
+                    int threads);
 
 /* layer_ops.c */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
