@@ -69,6 +69,12 @@ def test_blocks_hold_the_files_weights(ggml_weight):
     assert torch.equal(
         cpu_quant.quant_dequantize(kind, blocks, IN_FEATURES, torch.float32, rows=rows), decoded[rows]
     )
+    # Into a given buffer (prefill chunks reuse one), in bf16 rounded as torch rounds.
+    out = torch.full((OUT_FEATURES, IN_FEATURES), float("nan"), dtype=torch.bfloat16)
+    got = cpu_quant.quant_dequantize(kind, blocks, IN_FEATURES, torch.bfloat16, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, decoded.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_quant.quant_dequantize(kind, blocks, IN_FEATURES, torch.float32, out=out)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])

@@ -114,14 +114,20 @@ def quant_dequantize(
     in_features: int,
     dtype: torch.dtype,
     rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``W[rows]`` (every row when ``rows`` is None) decoded to ``dtype`` (float32 or bfloat16)."""
+    """``W[rows]`` (every row when ``rows`` is None) decoded to ``dtype`` (float32 or bfloat16),
+    into ``out`` when given (a reused buffer: a fresh tensor of a whole matrix page-faults its
+    memory in on every prefill chunk)."""
     check_blocks(kind, blocks, in_features)
     index = None if rows is None else rows.to(torch.int64).contiguous()
     count = blocks.shape[0] if index is None else index.numel()
     if index is not None and count and (int(index.min()) < 0 or int(index.max()) >= blocks.shape[0]):
         raise IndexError(f"row index out of range for {blocks.shape[0]} rows")
-    out = torch.empty(count, in_features, dtype=dtype)
+    if out is None:
+        out = torch.empty(count, in_features, dtype=dtype)
+    elif out.shape != (count, in_features) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {(count, in_features)}")
     library().pd_quant_dequant(
         int(kind),
         blocks.data_ptr(),

@@ -29,6 +29,7 @@ from torch import nn
 from pdserve.engine.model.gguf_blocks import quantize_q8_0
 from pdserve.kernels import cpu_quant
 from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind
+from pdserve.kernels.scratch import scratch
 
 if TYPE_CHECKING:
     from pdserve.engine.model.llama import LlamaForCausalLM
@@ -46,10 +47,17 @@ def _decode(
     dtype: torch.dtype,
     use_kernel: bool,
     rows: torch.Tensor | None = None,
+    reuse: bool = False,
 ) -> torch.Tensor:
-    """``W[rows]`` (every row when None) in ``dtype``: the C decoder, or the torch reference."""
+    """``W[rows]`` (every row when None) in ``dtype``: the C decoder, or the torch reference.
+    ``reuse``: the whole matrix into this thread's scratch buffer, valid until the next such call
+    (for a weight that lives only inside one GEMM); SmolLM2's 120 layer matrices decoded to bf16
+    took 85 ms into fresh tensors (page faults), 12 ms into the buffer, one Zen 5 core."""
     if use_kernel:
-        return cpu_quant.quant_dequantize(kind, blocks, in_features, dtype, rows=rows)
+        out = None
+        if reuse and rows is None:
+            out = scratch("dequantized_weight", (blocks.shape[0], in_features), dtype, blocks.device)
+        return cpu_quant.quant_dequantize(kind, blocks, in_features, dtype, rows=rows, out=out)
     held = blocks if rows is None else blocks[rows]
     return cpu_quant.dequantize_ref(kind, held, in_features).to(dtype)
 
@@ -88,8 +96,8 @@ class QuantLinear(nn.Module):
             )
             if self.bias is not None:
                 out = out + self.bias
-        else:
-            weight = _decode(self.kind, self.blocks, self.in_features, x.dtype, self.use_kernel)
+        else:  # a prefill chunk: the blocks decoded once for torch's GEMM, into a reused buffer
+            weight = _decode(self.kind, self.blocks, self.in_features, x.dtype, self.use_kernel, reuse=True)
             out = F.linear(rows, weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
