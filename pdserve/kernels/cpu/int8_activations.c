@@ -40,6 +40,9 @@
 #include "blocks.h"
 #include "kernels.h"
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* Rows of x one pass over a weight row serves (each holds an accumulator and its scales), and
  * weight rows one pass serves at M == 1 (four independent chains hide the fma latency). */
@@ -47,13 +50,35 @@
 #define A8_COLS_PER_TILE 4
 
 /* x [M, K] (bf16 or fp32) per block of 32: q [M, K] int8, d and s [M, stride] fp32 (zero past
- * the row's blocks, so that loads of 8 blocks' scales stay in bounds), as the header says. */
+ * the row's blocks, so that loads of 8 or 16 blocks' scales stay in bounds), as the header says.
+ * With AVX-512 a block is two vectors, with the same operations in the same order as the plain
+ * loop (IEEE division and product, rounding to nearest even), so both give the same bits. */
 static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, int8_t *q, float *d, float *s,
                           int64_t stride) {
     const int64_t blocks = K / QK;
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t first = r * K + b * QK;
+#if defined(__AVX512F__)
+            __m512 lo, hi;
+            if (x_is_bf16) {
+                const uint16_t *xb = (const uint16_t *)x + first;
+                lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xb)), 16));
+                hi = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + 16))), 16));
+            } else {
+                lo = _mm512_loadu_ps((const float *)x + first);
+                hi = _mm512_loadu_ps((const float *)x + first + 16);
+            }
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+            const __m512 inv = _mm512_set1_ps(inverse);
+            const __m512i q_lo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m512i q_hi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i *)(q + first), _mm512_cvtepi32_epi8(q_lo));
+            _mm_storeu_si128((__m128i *)(q + first + 16), _mm512_cvtepi32_epi8(q_hi));
+            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+#else
             float values[QK], amax = 0.0f;
             for (int j = 0; j < QK; j++) values[j] = get_f32(x, x_is_bf16, first + j);
             for (int j = 0; j < QK; j++) { /* not fmaxf: a library call per element, not vectorised */
@@ -67,6 +92,7 @@ static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, in
                 q[first + j] = (int8_t)v;
                 sum += v;
             }
+#endif
             d[r * stride + b] = scale;
             s[r * stride + b] = scale * (float)sum;
         }
