@@ -198,7 +198,8 @@ def test_auto_serves_a_gguf_files_blocks_where_the_kernels_build(tiny_model_dir,
     assert resolve_quantization("auto", None, "float32") == "gguf"  # None: the bundled GGUF
     assert resolve_quantization("auto", gguf_path, "bfloat16", "consumer") == "gguf"
     assert resolve_quantization("auto", gguf_path, "float32", "producer") == "gguf"
-    assert resolve_quantization("auto", gguf_path, "bfloat16", "producer") == "none"
+    # every role alike, so that a P/D cluster gives a colocated engine's tokens
+    assert resolve_quantization("auto", gguf_path, "bfloat16", "producer") == "gguf"
     assert resolve_quantization("auto", tiny_model_dir, "float32") == "none"
     for explicit in ("none", "gguf", "int8"):
         assert resolve_quantization(explicit, gguf_path, "bfloat16", "producer") == explicit

@@ -47,8 +47,10 @@ ENGINE_PORTS = (50051, 9400, 5600)  # gRPC, /metrics and the KV side channel, in
 
 @pytest.fixture(scope="module")
 def colocated() -> LLM:
-    """The bundled model in this process, as the engines run it (--dtype auto, no quantization)."""
-    return LLM(dtype="auto", max_model_len=2048, num_blocks=128)
+    """The bundled model in this process, as the engines run it (--dtype auto, --quantization auto:
+    the tests' own default is dense fp32, the engines' is the file's blocks in bf16 where the CPU
+    has it, and in bf16 those are different numbers)."""
+    return LLM(dtype="auto", quantization="auto", max_model_len=2048, num_blocks=128)
 
 
 def test_every_service_becomes_healthy(cluster: ComposeCluster):
@@ -70,7 +72,11 @@ def test_greedy_tokens_through_grpc_and_http_equal_the_colocated_llm(cluster: Co
             got = client.generate(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=TIMEOUT_S)
             assert got.token_ids == want.token_ids, prompt
         stats = client.stats(timeout=10)
-    for prompt, want in zip(PROMPTS, expected, strict=True):
+    # Sent again over HTTP, a prompt's full blocks may come from a prefill engine's prefix cache:
+    # the rest of it then runs the cached-prefix attention, whose bf16 sums differ from a fresh
+    # prefill's. The colocated engine, asked again, does the same from its own cache.
+    again = [colocated.generate([prompt], params)[0] for prompt in PROMPTS]
+    for prompt, want, cached in zip(PROMPTS, expected, again, strict=True):
         body = {
             "model": "SmolLM2-135M-Instruct",
             "prompt": prompt,
@@ -78,7 +84,7 @@ def test_greedy_tokens_through_grpc_and_http_equal_the_colocated_llm(cluster: Co
             "temperature": 0,
         }
         reply = http_post(cluster, "/completions", body | {"ignore_eos": True})
-        assert reply["choices"][0]["text"] == want.text, prompt
+        assert reply["choices"][0]["text"] in (want.text, cached.text), prompt
         assert reply["usage"]["completion_tokens"] == MAX_TOKENS
     # The KV crossed container boundaries: the decode engines pulled blocks from the prefill ones.
     assert sum(e["num_blocks_pulled"] for e in stats if e["role"] == "decode") > 0

@@ -160,10 +160,13 @@ def resolve_quantization(name: str, path: str | None, dtype: str, kv_role: str =
     decode step reads every weight once: measured on one core (``pdserve bench step``),
     SmolLM2-135M's step at one sequence took 37 ms from blocks against 68 ms dense fp32 on an
     AVX2 CPU, and 17 ms against 32 ms dense bf16 on an AVX512-BF16 one; at 8 sequences 90 vs
-    212 ms (AVX2) and 49 vs 47 ms (bf16). vLLM serves a GGUF quantized too. The exception is a prefill engine
-    (``kv_role`` producer) computing in bf16: its chunks run dense GEMMs, which oneDNN's bf16
-    ones outran by decoding the blocks first (TTFT 461 vs 539 ms at 256 tokens); in fp32 on
-    AVX2 the decode cost is small next to the GEMM (TTFT 1229 vs 1293 ms, blocks first).
+    212 ms (AVX2) and 49 vs 47 ms (bf16). vLLM serves a GGUF quantized too. Every role gets the
+    same: a prefill engine computing in bf16 used to hold dense weights (oneDNN's bf16 GEMMs ran
+    461 vs 539 ms at 256 tokens when decoding the blocks for each prefill chunk was slow), and a
+    1P1D cluster's greedy tokens then differed from a colocated engine's, its prefill and its
+    decode running different numbers (the containers test caught it on an AVX512-BF16 CPU).
+    With the blocks decoded into a reused buffer in vector registers, a 256-token prefill takes
+    200-212 ms from blocks against 187-194 dense (one Zen 5 core). ``kv_role`` is for the log.
     """
     if name != "auto":
         return name
@@ -172,11 +175,9 @@ def resolve_quantization(name: str, path: str | None, dtype: str, kv_role: str =
         chosen, why = "none", "not a GGUF file"
     elif not cpu_quant.available():
         chosen, why = "none", "the quantized kernels do not build here"
-    elif kv_role == "producer" and dtype == "bfloat16":
-        chosen, why = "none", "a prefill engine in bf16: dense oneDNN GEMMs"
     else:
         chosen, why = "gguf", "the GGUF file's own blocks"
-    logger.info("quantization auto: %s (%s)", chosen, why)
+    logger.info("quantization auto (%s engine): %s (%s)", kv_role, chosen, why)
     return chosen
 
 
