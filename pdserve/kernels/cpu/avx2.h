@@ -20,8 +20,8 @@
 #define AVX2_ROUTE 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-/* vpdpbusd on 512 bits (AMD Zen 4/5, Intel Ice Lake on): the int8-activation Q4_1 kernel of
- * int8_vnni.c. */
+/* vpdpbusd on 512 bits (AMD Zen 4/5, Intel Ice Lake on): the int8-activation kernels of
+ * int8_vnni.c, for Q4_1 and Q8_0 alike. */
 #define HAS_AVX512_VNNI 1
 #endif
 #include <immintrin.h>

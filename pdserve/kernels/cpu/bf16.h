@@ -21,6 +21,25 @@ static inline uint16_t fp32_to_bf16(float f) { /* round to nearest even, as torc
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
 }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 bf16 from src as fp32 (exact: the bits moved up). */
+static inline __m512 bf16x16_to_fp32(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+/* 16 fp32 as bf16, each rounded as fp32_to_bf16 rounds one (to nearest even; NaN stays NaN). */
+static inline __m256i fp32x16_to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_add_epi32(
+        bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)); /* (bits >> 16) | 0x40 */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16));
+}
+#endif
+
 /* Element i of a bf16 (is_bf16) or fp32 array, as fp32. */
 static inline float get_f32(const void *a, int is_bf16, int64_t i) {
     return is_bf16 ? bf16_to_fp32(((const uint16_t *)a)[i]) : ((const float *)a)[i];

@@ -40,9 +40,6 @@
 #include "blocks.h"
 #include "kernels.h"
 #include <omp.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 /* Rows of x one pass over a weight row serves (each holds an accumulator and its scales), and
  * weight rows one pass serves at M == 1 (four independent chains hide the fma latency). */
@@ -62,10 +59,8 @@ static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, in
 #if defined(__AVX512F__)
             __m512 lo, hi;
             if (x_is_bf16) {
-                const uint16_t *xb = (const uint16_t *)x + first;
-                lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xb)), 16));
-                hi = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + 16))), 16));
+                lo = bf16x16_to_fp32((const uint16_t *)x + first);
+                hi = bf16x16_to_fp32((const uint16_t *)x + first + 16);
             } else {
                 lo = _mm512_loadu_ps((const float *)x + first);
                 hi = _mm512_loadu_ps((const float *)x + first + 16);
@@ -98,7 +93,7 @@ static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, in
         }
 }
 
-#if defined(HAS_AVX2)
+#if defined(HAS_AVX2) && !defined(HAS_AVX512_VNNI) /* with VNNI, int8_vnni.c takes both kinds */
 /* x's int8 [M, K] in the order pair_q4_1_a8 reads two Q4_1 blocks in: for blocks 2p and 2p + 1,
  * their first halves (elements 0-15 of each), then their second halves (16-31). A row's last
  * block, when its count is odd, stays as it is. */
@@ -318,7 +313,7 @@ static void matmul_a8(int kind, QuantizedX x, int64_t M, const uint8_t *w, int64
         }
     }
 }
-#else
+#elif !defined(HAS_AVX512_VNNI)
 /* Without AVX2: the same arithmetic, a block at a time in plain C. */
 static void matmul_a8_plain(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M,
                             int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
@@ -406,20 +401,17 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
     quantize_rows(x, x_is_bf16, M, K, q, d, s, stride);
 #if defined(HAS_AVX512_VNNI)
     const int status = matmul_a8_vnni(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
-    free(q);
-    free(d);
-    free(s);
-    return status;
-#endif
-#if defined(HAS_AVX2)
+#elif defined(HAS_AVX2)
+    const int status = 0;
     if (kind == 0) pair_order(q, M, K);
     const QuantizedX quantized = {q, d, s, stride, K};
     matmul_a8(kind, quantized, M, w, N, y, y_is_bf16, threads);
 #else
+    const int status = 0;
     matmul_a8_plain(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
 #endif
     free(q);
     free(d);
     free(s);
-    return 0;
+    return status;
 }

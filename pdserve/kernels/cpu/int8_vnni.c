@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, in
                                                             int rows, float *dot) {
     const int64_t K = x.K, blocks = K / QK;
     const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE], dd[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE];
+    __m512 acc[VNNI_ROWS_PER_TILE], dd[VNNI_ROWS_PER_TILE]; /* cols * rows <= VNNI_ROWS_PER_TILE */
     for (int i = 0; i < cols * rows; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < blocks; g += 16) {
         const int64_t in_group = blocks - g < 16 ? blocks - g : 16;
@@ -172,7 +172,7 @@ static inline __m512i q8_0_pair(const uint8_t *block, int both) {
 static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *w, int64_t row_bytes, VnniX x,
                                                                  int cols, int rows, float *dot) {
     const int64_t blocks = x.K / QK;
-    __m512 acc[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE], dd[VNNI_ROWS_PER_TILE * VNNI_COLS_PER_TILE];
+    __m512 acc[VNNI_ROWS_PER_TILE], dd[VNNI_ROWS_PER_TILE]; /* cols * rows <= VNNI_ROWS_PER_TILE */
     for (int i = 0; i < cols * rows; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < blocks; g += 16) {
         const int64_t in_group = blocks - g < 16 ? blocks - g : 16;

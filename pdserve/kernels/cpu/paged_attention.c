@@ -114,10 +114,7 @@ static inline __attribute__((always_inline)) void load_vecs(const void *cache, i
                                                             __m512 *v) {
     if (is_bf16) {
         const uint16_t *src = (const uint16_t *)cache + offset;
-        for (int i = 0; i < nvec; i++) {
-            __m256i half = _mm256_loadu_si256((const __m256i *)(src + 16 * i));
-            v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-        }
+        for (int i = 0; i < nvec; i++) v[i] = bf16x16_to_fp32(src + 16 * i);
     } else {
         const float *src = (const float *)cache + offset;
         for (int i = 0; i < nvec; i++) v[i] = _mm512_loadu_ps(src + 16 * i);

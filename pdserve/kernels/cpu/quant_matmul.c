@@ -583,19 +583,6 @@ void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t 
     free(owned);
 }
 
-#if defined(__AVX512F__)
-/* 16 fp32 as bf16, rounded as fp32_to_bf16 rounds one (to nearest even; NaN stays NaN). */
-static inline __m256i bf16_of_16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i rounded = _mm512_add_epi32(
-        bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)); /* (bits >> 16) | 0x40 */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16));
-}
-#endif
-
 /*
  * out[i, :] = W[rows[i], :] decoded (rows == NULL: every row in order). For the embedding lookup
  * from a quantized table, and for prefill chunks, where one decode feeds a dense GEMM: a block a
@@ -616,8 +603,8 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
             decode_block(kind, block_ref(kind, w_row, K, b), &lo, &hi);
             if (out_is_bf16) {
                 uint16_t *o = (uint16_t *)out + i * K + b * QK;
-                _mm256_storeu_si256((__m256i *)o, bf16_of_16(lo));
-                _mm256_storeu_si256((__m256i *)(o + 16), bf16_of_16(hi));
+                _mm256_storeu_si256((__m256i *)o, fp32x16_to_bf16(lo));
+                _mm256_storeu_si256((__m256i *)(o + 16), fp32x16_to_bf16(hi));
             } else {
                 float *o = (float *)out + i * K + b * QK;
                 _mm512_storeu_ps(o, lo);
