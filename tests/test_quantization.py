@@ -187,23 +187,21 @@ def test_cluster_serves_int8_weights_and_reports_them(tiny_model_dir):
 
 def test_auto_serves_a_gguf_files_blocks_where_the_kernels_build(tiny_model_dir, monkeypatch):
     """The default: a GGUF file's own blocks (the same numbers as its dense copy, fewer bytes a
-    step), dense for an HF checkpoint, dense where the kernels cannot build, and dense on a
-    prefill engine computing in bf16 (oneDNN's dense GEMMs outrun decoding the blocks there)."""
+    step) on every engine, prefill ones too, so that a P/D cluster gives a colocated engine's
+    tokens; dense for an HF checkpoint and where the kernels cannot build."""
     from pdserve.engine.model.loader import resolve_quantization
 
     monkeypatch.delenv("PDSERVE_QUANTIZATION", raising=False)
     assert ModelConfig().quantization == "auto"
     gguf_path = bundled_model_path()
-    assert resolve_quantization("auto", gguf_path, "float32") == "gguf"
-    assert resolve_quantization("auto", None, "float32") == "gguf"  # None: the bundled GGUF
-    assert resolve_quantization("auto", gguf_path, "bfloat16", "consumer") == "gguf"
-    assert resolve_quantization("auto", gguf_path, "float32", "producer") == "gguf"
-    # every role alike, so that a P/D cluster gives a colocated engine's tokens
-    assert resolve_quantization("auto", gguf_path, "bfloat16", "producer") == "gguf"
-    assert resolve_quantization("auto", tiny_model_dir, "float32") == "none"
+    assert resolve_quantization("auto", gguf_path) == "gguf"
+    assert resolve_quantization("auto", None) == "gguf"  # None: the bundled GGUF
+    assert resolve_quantization("auto", gguf_path, "consumer") == "gguf"
+    assert resolve_quantization("auto", gguf_path, "producer") == "gguf"
+    assert resolve_quantization("auto", tiny_model_dir) == "none"
     for explicit in ("none", "gguf", "int8"):
-        assert resolve_quantization(explicit, gguf_path, "bfloat16", "producer") == explicit
+        assert resolve_quantization(explicit, gguf_path, "producer") == explicit
     monkeypatch.setattr(cpu_quant, "available", lambda: False)
-    assert resolve_quantization("auto", gguf_path, "float32") == "none"
+    assert resolve_quantization("auto", gguf_path) == "none"
     with pytest.raises(ValueError, match="auto"):
         load_model(tiny_model_dir, quantization="auto")  # resolved before loading, never passed on

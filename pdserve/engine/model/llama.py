@@ -158,8 +158,7 @@ class LlamaDecoderLayer(nn.Module):
         """The layer as ``cpu_decoder_layer`` runs it in one C call, or None when it cannot:
         its four projections must be block-held ones the C kernel reads (``--quantization``),
         alike in their activations (``int8_activations``), with a bias on q/k/v at most. Asked
-        once, after the weights are in place (the first
-        forward pass)."""
+        once, after the weights are in place (the first forward pass)."""
         if not self._fused_asked:
             self._fused_asked = True
             attn, mlp = self.self_attn, self.mlp

@@ -151,7 +151,7 @@ def load_model(
     return loaded
 
 
-def resolve_quantization(name: str, path: str | None, dtype: str, kv_role: str = "both") -> str:
+def resolve_quantization(name: str, path: str | None, kv_role: str = "both") -> str:
     """``"auto"`` -> ``"gguf"`` for a GGUF file where the quantized kernels build, else
     ``"none"``; any other name is returned as it is.
 
@@ -186,7 +186,7 @@ def load_served_model(config: ModelConfig, kv_role: str = "both") -> LoadedModel
     this CPU and role ("auto"), then loaded (one place for ``pdserve.LLM`` and the engine core
     process)."""
     dtype = resolve_dtype(config.dtype)
-    quantization = resolve_quantization(config.quantization, config.path, dtype, kv_role)
+    quantization = resolve_quantization(config.quantization, config.path, kv_role)
     return load_model(config.path, dtype=dtype, quantization=quantization)
 
 
