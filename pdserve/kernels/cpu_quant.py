@@ -22,15 +22,36 @@ from pdserve.kernels.cpu_build import CLibrary
 BLOCK_SIZE = 32
 
 
+# Weight rows an interleaved group holds (``BlockKind.Q4_1_X16`` / ``Q8_0_X16``).
+X16_ROWS = 16
+
+
 class BlockKind(IntEnum):
-    """The block layouts the kernels read (the values are the C side's ``kind``)."""
+    """The block layouts the kernels read (the values are the C side's ``kind``).
+
+    ``Q4_1_X16`` / ``Q8_0_X16``: the same blocks interleaved 16 rows at a time
+    (``interleave_rows``; ``kernels/cpu/int8_x16.c`` has the layout), which only the
+    int8-activation kernel multiplies (and the dequantization decodes): made at load for
+    ``--quantization gguf-a8 / int8-a8`` where the CPU has AVX512-VNNI (``x16_route``).
+    """
 
     Q4_1 = 0
     Q8_0 = 1
+    Q4_1_X16 = 2
+    Q8_0_X16 = 3
 
     @property
     def block_bytes(self) -> int:
-        return 20 if self is BlockKind.Q4_1 else 34
+        return 20 if self.plain is BlockKind.Q4_1 else 34
+
+    @property
+    def interleaved(self) -> bool:
+        return self in (BlockKind.Q4_1_X16, BlockKind.Q8_0_X16)
+
+    @property
+    def plain(self) -> BlockKind:
+        """The row-major kind holding the same blocks."""
+        return BlockKind(int(self) % 2)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -41,10 +62,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_quant_dequant.restype = None
     lib.pd_quant_matmul_a8.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
     lib.pd_quant_matmul_a8.restype = cint
+    lib.pd_quant_x16_route.argtypes = []
+    lib.pd_quant_x16_route.restype = cint
 
 
 KERNELS = CLibrary(
-    "quant_matmul.c", _declare, "quantized-weight matmuls", links=("int8_activations.c", "int8_vnni.c")
+    "quant_matmul.c", _declare, "quantized-weight matmuls", links=("int8_activations.c", "int8_vnni.c", "int8_x16.c")
 )
 
 
@@ -58,14 +81,23 @@ def available() -> bool:
     return KERNELS.available()
 
 
+def x16_route() -> bool:
+    """True when the interleaved kinds run a vector kernel here (AVX512-VNNI), so that the loader
+    interleaves only where that pays (elsewhere their plain C loop is correct, and slow)."""
+    return available() and bool(library().pd_quant_x16_route())
+
+
 def check_blocks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:
-    """Raise ``ValueError`` unless ``blocks`` are contiguous uint8 rows of ``in_features`` weights."""
-    if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
-        raise ValueError("weight blocks must be a contiguous uint8 tensor")
+    """Raise ``ValueError`` unless ``blocks`` are contiguous uint8 rows of ``in_features`` weights
+    (for an interleaved kind, a multiple of 16 rows)."""
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.dim() != 2:
+        raise ValueError("weight blocks must be a contiguous 2-D uint8 tensor")
     if in_features % BLOCK_SIZE:
         raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK_SIZE}")
     if blocks.shape[-1] != in_features // BLOCK_SIZE * kind.block_bytes:
         raise ValueError(f"{kind.name} rows of {blocks.shape[-1]} bytes do not hold {in_features} weights")
+    if kind.interleaved and blocks.shape[0] % X16_ROWS:
+        raise ValueError(f"{kind.name} holds a multiple of {X16_ROWS} rows, not {blocks.shape[0]}")
 
 
 def quant_matmul(
@@ -86,6 +118,8 @@ def quant_matmul(
         check_blocks(kind, blocks, in_features)
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"activations must be float32 or bfloat16, not {x.dtype}")
+    if kind.interleaved and not int8_activations:
+        raise ValueError(f"{kind.name} blocks are multiplied with int8 activations only")
     x = x.contiguous()
     rows, out_features = x.shape[0], blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
@@ -150,6 +184,8 @@ def _block_parts(
     """``(q [rows, blocks, 32], d [rows, blocks], m [rows, blocks])`` in fp32: each block's
     integers, scale and minimum (0 for Q8_0), so that ``w = d * q + m``."""
     check_blocks(kind, blocks, in_features)
+    if kind.interleaved:
+        kind, blocks = kind.plain, deinterleave_rows(kind, blocks, in_features)
     rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
     if kind is BlockKind.Q4_1:
         nibbles = blocks[:, : in_features // 2].reshape(rows, num_blocks, 16).to(torch.int32)
@@ -181,6 +217,57 @@ def q4_1_rows_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
         ],
         dim=1,
     ).contiguous()
+
+
+def _chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain kind's rows as ``(words [groups, blocks, words, 16, 4], scales [groups, blocks,
+    2 or 1, 16, 2])``: the 4-byte pieces of each (16-row group, block) and its fp16 d (and m)."""
+    rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
+    groups = rows // X16_ROWS
+    if kind is BlockKind.Q4_1:
+        nibbles = blocks[:, : in_features // 2].reshape(groups, X16_ROWS, num_blocks, 4, 4)
+        scales = blocks[:, in_features // 2 :].reshape(groups, X16_ROWS, 2, num_blocks, 2)
+        return nibbles.permute(0, 2, 3, 1, 4), scales.permute(0, 3, 2, 1, 4)
+    per_block = blocks.reshape(groups, X16_ROWS, num_blocks, kind.block_bytes)
+    weights = (per_block[..., 2:] ^ 0x80).reshape(groups, X16_ROWS, num_blocks, 8, 4)  # plus 128
+    return weights.permute(0, 2, 3, 1, 4), per_block[..., :2].reshape(groups, X16_ROWS, num_blocks, 1, 2).permute(
+        0, 2, 3, 1, 4
+    )
+
+
+def interleave_rows(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[BlockKind, torch.Tensor]:
+    """``(Q4_1_X16 or Q8_0_X16, blocks)``: the rows of a plain kind interleaved 16 at a time, as
+    ``kernels/cpu/int8_x16.c`` lays them out; the same bytes (Q8_0's weights plus 128), moved:
+    ``[rows, row_bytes]`` as before, so sizes and row counts read the same."""
+    check_blocks(kind, blocks, in_features)
+    if kind.interleaved:
+        raise ValueError(f"{kind.name} blocks are interleaved already")
+    if blocks.shape[0] % X16_ROWS:
+        raise ValueError(f"interleaving needs a multiple of {X16_ROWS} rows, not {blocks.shape[0]}")
+    words, scales = _chunks(kind, blocks, in_features)
+    groups, num_blocks = words.shape[0], words.shape[1]
+    chunk = torch.cat([words.reshape(groups, num_blocks, -1), scales.reshape(groups, num_blocks, -1)], dim=-1)
+    return BlockKind(int(kind) + 2), chunk.reshape(blocks.shape).contiguous()
+
+
+def deinterleave_rows(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``interleave_rows`` undone: the plain kind's rows of an interleaved matrix."""
+    plain, rows, num_blocks = kind.plain, blocks.shape[0], in_features // BLOCK_SIZE
+    groups = rows // X16_ROWS
+    word_count, scale_count = (4, 2) if plain is BlockKind.Q4_1 else (8, 1)
+    chunk = blocks.reshape(groups, num_blocks, -1)
+    words = chunk[..., : word_count * 64].reshape(groups, num_blocks, word_count, X16_ROWS, 4)
+    scales = chunk[..., word_count * 64 :].reshape(groups, num_blocks, scale_count, X16_ROWS, 2)
+    words, scales = words.permute(0, 3, 1, 2, 4), scales.permute(0, 3, 2, 1, 4)  # [g, 16, ...]
+    if plain is BlockKind.Q4_1:
+        return torch.cat(
+            [words.reshape(rows, -1), scales.reshape(rows, -1)], dim=1
+        ).contiguous()  # [nibbles][d][m] per row
+    per_block = torch.cat(
+        [scales.reshape(groups, X16_ROWS, num_blocks, 2), (words ^ 0x80).reshape(groups, X16_ROWS, num_blocks, 32)],
+        dim=-1,
+    )
+    return per_block.reshape(rows, -1).contiguous()
 
 
 def quant_matmul_ref(

@@ -180,6 +180,27 @@ def use_int8_activations(model: nn.Module) -> None:
         raise ValueError("int8 activations need block-held weights (--quantization gguf-a8 or int8-a8)")
     for linear in linears:
         linear.int8_activations = True
+    if cpu_quant.x16_route():
+        _interleave(model, linears)
+
+
+def _interleave(model: nn.Module, linears: list[QuantLinear]) -> None:
+    """Hold the int8-activation projections' blocks interleaved 16 rows at a time, where the CPU
+    runs their kernel (AVX512-VNNI): at 8 rows of x SmolLM2-135M's layer matrices took 9.4 ms a
+    step row-major, 3.5 interleaved; at one row, 2.2 and 1.9 (one Zen 5 core). Prefill chunks and
+    the embedding lookup decode either layout. A table shared by the tied embedding and LM head
+    is interleaved once and stays shared (the weights' bytes do not change)."""
+    done: dict[int, tuple[BlockKind, torch.Tensor]] = {}  # by the plain blocks' data pointer
+    for linear in linears:
+        if linear.kind.interleaved or linear.out_features % cpu_quant.X16_ROWS:
+            continue
+        pointer = linear.blocks.data_ptr()
+        if pointer not in done:
+            done[pointer] = cpu_quant.interleave_rows(linear.kind, linear.blocks, linear.in_features)
+        linear.kind, linear.blocks = done[pointer]
+    for embedding in model.modules():
+        if isinstance(embedding, QuantEmbedding) and embedding.blocks.data_ptr() in done:
+            embedding.kind, embedding.blocks = done[embedding.blocks.data_ptr()]
 
 
 def describe_weights(model: nn.Module) -> str:

@@ -15,6 +15,12 @@
 #define Q4_1_BYTES 20  /* fp16 d, fp16 m, 16 bytes of nibbles */
 #define Q8_0_BYTES 34  /* fp16 d, 32 int8 */
 
+/* The kinds of block rows (pdserve/kernels/cpu_quant.py's BlockKind): Q4_1 and Q8_0 as
+ * quant_matmul.c's header lays them out, and the same blocks interleaved 16 rows at a time for
+ * the int8-activation kernels of int8_x16.c (its header has the layout). */
+enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_1_X16 = 2, KIND_Q8_0_X16 = 3 };
+#define X16 16 /* weight rows an interleaved group holds */
+
 static inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -39,5 +45,25 @@ static inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
-static inline int block_bytes(int kind) { return kind == 0 ? Q4_1_BYTES : Q8_0_BYTES; }
+static inline int block_bytes(int kind) { return kind == KIND_Q4_1 || kind == KIND_Q4_1_X16 ? Q4_1_BYTES : Q8_0_BYTES; }
+
+static inline int is_x16(int kind) { return kind == KIND_Q4_1_X16 || kind == KIND_Q8_0_X16; }
+
+/* Block b of weight row n of an interleaved (x16) matrix of K inputs, as its plain kind holds it:
+ * Q4_1's 16 nibble bytes or Q8_0's 32 int8 into qs, its fp16 scale d and minimum m (0 for
+ * Q8_0). Where the int8_x16.c kernels' plain loop and the dequantization read single rows. */
+static inline void x16_block(int kind, const uint8_t *w, int64_t K, int64_t n, int64_t b, uint8_t *qs, uint16_t *d,
+                             uint16_t *m) {
+    const int64_t blocks = K / QK, lane = n % X16;
+    const uint8_t *chunk = w + ((n / X16) * blocks + b) * X16 * block_bytes(kind);
+    const int words = kind == KIND_Q4_1_X16 ? 4 : 8; /* 4-byte pieces of a row's block */
+    for (int i = 0; i < words; i++) memcpy(qs + 4 * i, chunk + 64 * i + 4 * lane, 4);
+    const uint8_t *scales = chunk + 64 * words;
+    memcpy(d, scales + 2 * lane, 2);
+    *m = 0;
+    if (kind == KIND_Q4_1_X16)
+        memcpy(m, scales + 2 * X16 + 2 * lane, 2);
+    else
+        for (int j = 0; j < QK; j++) qs[j] ^= 0x80; /* stored plus 128 (int8_x16.c) */
+}
 #endif

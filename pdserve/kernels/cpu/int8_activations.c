@@ -381,7 +381,8 @@ static int matmul_a8_vnni(int kind, const int8_t *q, const float *d, const float
 
 /*
  * y[M, N] = x[M, K] @ W^T with x quantized to int8 per block of 32 (the header). kind 0: Q4_1
- * rows, 1: Q8_0 blocks, as pd_quant_matmul takes them; x and y bf16 (flag 1) or fp32 (flag 0),
+ * rows, 1: Q8_0 blocks, as pd_quant_matmul takes them, 2 and 3 the same interleaved by 16 rows
+ * (int8_x16.c; N a multiple of 16); x and y bf16 (flag 1) or fp32 (flag 0),
  * contiguous; K a multiple of 32. Returns 0, or -1 when its buffers could not be allocated
  * (nothing written then).
  */
@@ -399,17 +400,20 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
         return -1;
     }
     quantize_rows(x, x_is_bf16, M, K, q, d, s, stride);
+    int status = 0;
+    if (is_x16(kind)) { /* rows interleaved by 16 (int8_x16.c) */
+        status = a8_x16_matmul(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
+    } else {
 #if defined(HAS_AVX512_VNNI)
-    const int status = matmul_a8_vnni(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
+        status = matmul_a8_vnni(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
 #elif defined(HAS_AVX2)
-    const int status = 0;
-    if (kind == 0) pair_order(q, M, K);
-    const QuantizedX quantized = {q, d, s, stride, K};
-    matmul_a8(kind, quantized, M, w, N, y, y_is_bf16, threads);
+        if (kind == 0) pair_order(q, M, K);
+        const QuantizedX quantized = {q, d, s, stride, K};
+        matmul_a8(kind, quantized, M, w, N, y, y_is_bf16, threads);
 #else
-    const int status = 0;
-    matmul_a8_plain(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
+        matmul_a8_plain(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
 #endif
+    }
     free(q);
     free(d);
     free(s);

@@ -23,6 +23,11 @@ void a8_vnni_matmul(int kind, const int8_t *q, const int32_t *start, int64_t q_s
                     int64_t stride, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                     int threads);
 
+/* int8_x16.c */
+int a8_x16_matmul(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M, int64_t K,
+                  const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
+int pd_quant_x16_route(void);
+
 /* layer_ops.c */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
                  int64_t dim, float eps, int is_bf16);
