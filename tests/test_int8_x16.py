@@ -75,7 +75,9 @@ def test_interleaving_refuses_what_it_cannot_lay_out():
 @pytest.mark.parametrize("shape", [(16, 32), (48, 576), (32, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_kernel_computes_what_the_reference_does(ggml_type, rows, dtype, shape):
     out_features, in_features = shape
-    kind, blocks = cpu_quant.interleave_rows(*kernel_blocks(ggml_type, out_features, in_features), in_features)
+    kind, blocks = cpu_quant.interleave_rows(
+        *kernel_blocks(ggml_type, out_features, in_features), in_features
+    )
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = cpu_quant.quant_matmul(x, kind, blocks, in_features, int8_activations=True)
     assert got.dtype == dtype and got.shape == (rows, out_features)

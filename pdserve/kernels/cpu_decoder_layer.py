@@ -68,7 +68,14 @@ KERNELS = CLibrary(
     "decoder_layer.c",
     _declare,
     "fused decoder layer",
-    links=("quant_matmul.c", "int8_activations.c", "int8_vnni.c", "int8_x16.c", "layer_ops.c", "paged_attention.c"),
+    links=(
+        "quant_matmul.c",
+        "int8_activations.c",
+        "int8_vnni.c",
+        "int8_x16.c",
+        "layer_ops.c",
+        "paged_attention.c",
+    ),
 )
 
 

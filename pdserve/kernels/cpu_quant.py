@@ -67,7 +67,10 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 KERNELS = CLibrary(
-    "quant_matmul.c", _declare, "quantized-weight matmuls", links=("int8_activations.c", "int8_vnni.c", "int8_x16.c")
+    "quant_matmul.c",
+    _declare,
+    "quantized-weight matmuls",
+    links=("int8_activations.c", "int8_vnni.c", "int8_x16.c"),
 )
 
 
@@ -230,12 +233,14 @@ def _chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[to
         return nibbles.permute(0, 2, 3, 1, 4), scales.permute(0, 3, 2, 1, 4)
     per_block = blocks.reshape(groups, X16_ROWS, num_blocks, kind.block_bytes)
     weights = (per_block[..., 2:] ^ 0x80).reshape(groups, X16_ROWS, num_blocks, 8, 4)  # plus 128
-    return weights.permute(0, 2, 3, 1, 4), per_block[..., :2].reshape(groups, X16_ROWS, num_blocks, 1, 2).permute(
-        0, 2, 3, 1, 4
-    )
+    return weights.permute(0, 2, 3, 1, 4), per_block[..., :2].reshape(
+        groups, X16_ROWS, num_blocks, 1, 2
+    ).permute(0, 2, 3, 1, 4)
 
 
-def interleave_rows(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[BlockKind, torch.Tensor]:
+def interleave_rows(
+    kind: BlockKind, blocks: torch.Tensor, in_features: int
+) -> tuple[BlockKind, torch.Tensor]:
     """``(Q4_1_X16 or Q8_0_X16, blocks)``: the rows of a plain kind interleaved 16 at a time, as
     ``kernels/cpu/int8_x16.c`` lays them out; the same bytes (Q8_0's weights plus 128), moved:
     ``[rows, row_bytes]`` as before, so sizes and row counts read the same."""
@@ -264,7 +269,10 @@ def deinterleave_rows(kind: BlockKind, blocks: torch.Tensor, in_features: int) -
             [words.reshape(rows, -1), scales.reshape(rows, -1)], dim=1
         ).contiguous()  # [nibbles][d][m] per row
     per_block = torch.cat(
-        [scales.reshape(groups, X16_ROWS, num_blocks, 2), (words ^ 0x80).reshape(groups, X16_ROWS, num_blocks, 32)],
+        [
+            scales.reshape(groups, X16_ROWS, num_blocks, 2),
+            (words ^ 0x80).reshape(groups, X16_ROWS, num_blocks, 32),
+        ],
         dim=-1,
     )
     return per_block.reshape(rows, -1).contiguous()
