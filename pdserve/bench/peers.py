@@ -196,7 +196,8 @@ def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
         elif kind == "default-cluster":
             extra = [f"--engine-args={engine_args_str}"] if engine_args_str else []  # "=": may start with --
             argv = _pdserve("cluster", "--prefill", "1", "--decode", "1", "--http-port", str(port),
-                            *model, *extra, "--log-dir", os.path.join(ctx.log_dir, setup))  # fmt: skip
+                            *model, *extra, *shlex.split(args.cluster_args),
+                            "--log-dir", os.path.join(ctx.log_dir, setup))  # fmt: skip
         elif kind == "colocated":
             argv = _pdserve("router", "--host", HOST, "--port", str(grpc_port), *upstream,
                             "--http-port", str(port), *model)  # fmt: skip
@@ -393,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-args",
         default="",
         help='extra args of every pdserve engine: --engine-args="--num-blocks 512"',
+    )
+    p.add_argument(
+        "--cluster-args",
+        default="",
+        help='extra args of the cluster setups\' `pdserve cluster`: --cluster-args="--prefill-cpus 0,1"',
     )
     p.add_argument(
         "--gguf-engine-args",

@@ -2,7 +2,8 @@
 
 Every op has a torch reference (``reference.py``, what CPU runs) and a Triton kernel
 (``triton_ops.py``, what CUDA runs); decode attention also has a C kernel for the CPU
-(``cpu_attention.py``), and so do the layer's RMSNorm, RoPE and KV write (``cpu_layer_ops.py``,
+(``cpu_attention.py``), and so has a bf16 prefill chunk's attention to itself
+(``cpu_causal_attention.py``), and so do the layer's RMSNorm, RoPE and KV write (``cpu_layer_ops.py``,
 called by the model). The runner only calls the functions below, which pick the
 implementation from the tensors' device. ``PDSERVE_KERNELS=triton`` forces Triton (used with
 ``TRITON_INTERPRET=1`` to run the Triton path on CPU in tests); ``PDSERVE_KERNELS=torch``
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from pdserve.kernels import cpu_attention, reference
+from pdserve.kernels import cpu_attention, cpu_causal_attention, reference
 
 _BACKEND_ENV = "PDSERVE_KERNELS"
 
@@ -86,9 +87,29 @@ def paged_attention_prefill(
         return _triton().paged_attention_prefill(
             query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale
         )
-    return reference.paged_attention_prefill_ref(
-        query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale, key=key, value=value
+    self_attention = (
+        None if forced_backend() == "torch" or query.device.type != "cpu" else _cpu_self_attention
     )
+    return reference.paged_attention_prefill_ref(
+        query,
+        kv_cache_layer,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        key=key,
+        value=value,
+        self_attention=self_attention,
+    )
+
+
+def _cpu_self_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A chunk with no cached prefix: the C kernel where it runs (bf16, AVX512-BF16), else SDPA."""
+    if cpu_causal_attention.serves(query, key, value):
+        return cpu_causal_attention.causal_self_attention(query, key, value, scale)
+    return reference.causal_self_attention_ref(query, key, value, scale)
 
 
 def gather_blocks(

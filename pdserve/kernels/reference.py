@@ -15,6 +15,7 @@ A *slot* is ``block_id * block_size + offset``; a negative slot means "padding, 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -230,6 +231,10 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+# (query, key, value, scale) -> output: how a chunk with no cached prefix attends to itself.
+SelfAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 def causal_self_attention_ref(
     query: torch.Tensor,  # [q_len, num_heads, head_dim]: one chunk starting at position 0
     key: torch.Tensor,  # [q_len, num_kv_heads, head_dim]: that chunk's own K
@@ -266,6 +271,7 @@ def paged_attention_prefill_ref(
     scale: float,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new K
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new V
+    self_attention: SelfAttention | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each query chunk over its cached prefix and itself.
 
@@ -274,8 +280,10 @@ def paged_attention_prefill_ref(
 
     When ``key``/``value`` (the step's new K/V, laid out like ``query``) are given, a chunk that
     starts at position 0 (no cached prefix) takes ``causal_self_attention_ref`` on them instead:
-    same result, no gather and no explicit mask.
+    same result, no gather and no explicit mask. ``self_attention`` replaces that function (the
+    CPU engine's C kernel where it runs: ``kernels.paged_attention_prefill``).
     """
+    attend_self = self_attention or causal_self_attention_ref
     block_size = kv_cache_layer.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -287,7 +295,7 @@ def paged_attention_prefill_ref(
             continue
         if key is not None and value is not None and q_len == seq_len:
             # Round K/V to the cache dtype as the gathered path would see them.
-            out[q_start:q_end] = causal_self_attention_ref(
+            out[q_start:q_end] = attend_self(
                 query[q_start:q_end].to(kv_cache_layer.dtype),
                 key[q_start:q_end].to(kv_cache_layer.dtype),
                 value[q_start:q_end].to(kv_cache_layer.dtype),

@@ -33,6 +33,7 @@
 #include "avx2.h"
 #include "bf16.h"
 #include "kernels.h"
+#include "vexp.h"
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -125,25 +126,6 @@ static inline void prefetch_next_half(const void *kv, int64_t elem, const int32_
 #if defined(__AVX512F__)
 #define MAX_VECS (MAX_HEAD_DIM / 16)
 #define MAX_SPECIAL_SUMS 24 /* registers the special cases of values_of_block keep their sums in */
-
-/* exp(x) for x <= 0 (scores minus their maximum), 16 at a time: Cephes' expf (x = n ln2 + r,
- * |r| <= ln2 / 2, a degree-6 polynomial for e^r, then 2^n by vscalefps), within 2 ulp of expf;
- * below -87.3 the result is 0's neighbour 2^-126 or less, as expf's would be. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* The first min(n, 16) lanes. */
 static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }

@@ -1,0 +1,85 @@
+"""The bf16 prefill attention of a chunk with no cached prefix (``kernels/cpu/causal_attention.c``).
+
+It must give what SDPA gives (``reference.causal_self_attention_ref``) to a rounding of the bf16
+output, and its error against an fp32 computation must be no larger than SDPA's own: for every
+length (partial tiles of 16 keys and odd key pairs), GQA group and head_dim it takes, on query,
+key and value rows that lie apart in one projection output as the engine's do. Where it does
+not run (fp32, other head sizes, CPUs without AVX512-BF16) the prefill keeps SDPA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.kernels import cpu_build, cpu_causal_attention, reference
+
+pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
+runs_here = pytest.mark.skipif(not cpu_causal_attention._runs_here(64), reason="the kernel needs AVX512-BF16")
+
+
+def projection(length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """``(q, k, v)``: bf16 views of one ``[length, heads + 2 kv_heads, head_dim]`` tensor, as the
+    engine splits its fused qkv projection (rows lie ``heads + 2 kv_heads`` heads apart)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (2 * torch.randn(length, heads + 2 * kv_heads, head_dim, generator=gen)).to(torch.bfloat16)
+    return qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+
+
+@runs_here
+@pytest.mark.parametrize("length", [1, 2, 3, 15, 16, 17, 64, 100, 301])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2)], ids=lambda h: f"{h[0]}q-{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_it_gives_what_sdpa_gives(length, heads, head_dim):
+    q, k, v = projection(length, *heads, head_dim, seed=length)
+    scale = head_dim**-0.5
+    assert cpu_causal_attention.serves(q, k, v)
+    got = cpu_causal_attention.causal_self_attention(q, k, v, scale)
+    want = reference.causal_self_attention_ref(q, k, v, scale)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # A few bf16 steps of the output apart at most: both round P to bf16, in other orders.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-5)
+    exact = reference.causal_self_attention_ref(q.float(), k.float(), v.float(), scale)
+    ours, sdpas = (got.float() - exact).abs().max(), (want.float() - exact).abs().max()
+    assert ours <= sdpas * 1.5 + 1e-3, (ours, sdpas)
+
+
+@runs_here
+def test_a_row_attends_to_its_own_position_and_before_only():
+    q, k, v = projection(40, 4, 2, 64, seed=3)
+    full = cpu_causal_attention.causal_self_attention(q, k, v, 0.125)
+    changed = v.clone()
+    changed[30:] = 100.0  # later positions' values: rows up to 29 must not see them
+    again = cpu_causal_attention.causal_self_attention(q, k, changed, 0.125)
+    assert torch.equal(full[:30], again[:30])
+    assert not torch.equal(full[30:], again[30:])
+    assert torch.equal(full[0], v[0].repeat_interleave(2, dim=0))  # one key: its value, exactly
+
+
+def test_what_it_does_not_take_stays_with_sdpa():
+    q, k, v = projection(8, 4, 2, 64)
+    assert not cpu_causal_attention.serves(q.float(), k.float(), v.float())
+    q48, k48, v48 = projection(8, 4, 2, 48)
+    assert not cpu_causal_attention.serves(q48, k48, v48)
+    q3, k3, v3 = projection(8, 3, 2, 64)  # 3 query heads over 2 KV heads: no whole groups
+    assert not cpu_causal_attention.serves(q3, k3, v3)
+
+
+@runs_here
+def test_the_prefill_dispatcher_runs_it_for_a_chunk_without_prefix(monkeypatch):
+    q, k, v = projection(20, 4, 2, 64, seed=5)
+    block_size, blocks = 16, 4
+    cache = torch.zeros(blocks, 2, block_size, 2, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    starts, lens = torch.tensor([0, 20], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    calls = []
+    real = cpu_causal_attention.causal_self_attention
+    monkeypatch.setattr(cpu_causal_attention, "causal_self_attention", lambda *a: calls.append(1) or real(*a))
+    got = kernels.paged_attention_prefill(q, cache, tables, starts, lens, 0.125, key=k, value=v)
+    assert calls == [1]
+    torch.testing.assert_close(got, real(q, k, v, 0.125), rtol=0, atol=0)
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")  # the reference: SDPA
+    forced = kernels.paged_attention_prefill(q, cache, tables, starts, lens, 0.125, key=k, value=v)
+    assert calls == [1]
+    torch.testing.assert_close(forced.float(), got.float(), rtol=2**-6, atol=2**-5)
