@@ -161,8 +161,9 @@ static inline __m512 sum_lanes_16(__m512 *p) {
 }
 
 /* q . k[o] for up to 16 positions o of one block and one KV head, bf16 both: one vdpbf16ps per 32
- * elements (products exact in fp32, summed in fp32), then the 16 sums at once. */
-static inline __m512 dots_bf16(const uint16_t *k, int64_t positions, int64_t token_stride, const uint16_t *q,
+ * elements (products exact in fp32, summed in fp32), then the 16 sums at once. Inlined where it
+ * is called with head_dim 64 as a constant, so that its loops unroll into registers. */
+static inline __attribute__((always_inline)) __m512 dots_bf16(const uint16_t *k, int64_t positions, int64_t token_stride, const uint16_t *q,
                                int64_t head_dim) {
     __m512 p[16];
     for (int64_t o = 0; o < 16; o++) {
@@ -255,7 +256,9 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
                 for (int64_t h = 0; h < num_heads; h++, step++) {
                     prefetch_keys_step(ahead, step, steps);
                     const uint16_t *k = (const uint16_t *)kv + base + o * token_stride + (h / group) * head_dim;
-                    const __m512 dots = _mm512_mul_ps(dots_bf16(k, positions, token_stride, qbf + h * head_dim, head_dim), scale_v);
+                    const __m512 raw = head_dim == 64 ? dots_bf16(k, positions, token_stride, qbf + h * head_dim, 64)
+                                                      : dots_bf16(k, positions, token_stride, qbf + h * head_dim, head_dim);
+                    const __m512 dots = _mm512_mul_ps(raw, scale_v);
                     _mm512_mask_storeu_ps(scores + h * len + first + o, live, dots);
                     max_of[h] = _mm512_mask_max_ps(max_of[h], live, max_of[h], dots);
                 }
