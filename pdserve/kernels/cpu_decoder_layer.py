@@ -73,6 +73,7 @@ KERNELS = CLibrary(
         "int8_activations.c",
         "int8_vnni.c",
         "int8_x16.c",
+        "bf16_x16.c",
         "layer_ops.c",
         "paged_attention.c",
     ),

@@ -57,20 +57,22 @@ class BlockKind(IntEnum):
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pd_quant_matmul.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
-    lib.pd_quant_matmul.restype = None
+    lib.pd_quant_matmul.restype = cint
     lib.pd_quant_dequant.argtypes = [cint, ptr, i64, ptr, i64, ptr, cint, cint]
     lib.pd_quant_dequant.restype = None
     lib.pd_quant_matmul_a8.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
     lib.pd_quant_matmul_a8.restype = cint
     lib.pd_quant_x16_route.argtypes = []
     lib.pd_quant_x16_route.restype = cint
+    lib.pd_quant_bf16_x16_route.argtypes = []
+    lib.pd_quant_bf16_x16_route.restype = cint
 
 
 KERNELS = CLibrary(
     "quant_matmul.c",
     _declare,
     "quantized-weight matmuls",
-    links=("int8_activations.c", "int8_vnni.c", "int8_x16.c"),
+    links=("int8_activations.c", "int8_vnni.c", "int8_x16.c", "bf16_x16.c"),
 )
 
 
@@ -88,6 +90,13 @@ def x16_route() -> bool:
     """True when the interleaved kinds run a vector kernel here (AVX512-VNNI), so that the loader
     interleaves only where that pays (elsewhere their plain C loop is correct, and slow)."""
     return available() and bool(library().pd_quant_x16_route())
+
+
+def bf16_x16_route() -> bool:
+    """True when ``Q4_1_X16`` against bf16 activations runs a vector kernel here (AVX512-BF16:
+    ``kernels/cpu/bf16_x16.c``), so that a bf16 ``gguf`` model's Q4_1 projections are
+    interleaved only where that pays."""
+    return available() and bool(library().pd_quant_bf16_x16_route())
 
 
 def check_blocks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:
@@ -121,8 +130,14 @@ def quant_matmul(
         check_blocks(kind, blocks, in_features)
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"activations must be float32 or bfloat16, not {x.dtype}")
-    if kind.interleaved and not int8_activations:
-        raise ValueError(f"{kind.name} blocks are multiplied with int8 activations only")
+    if (
+        kind.interleaved
+        and not int8_activations
+        and not (kind is BlockKind.Q4_1_X16 and x.dtype == torch.bfloat16)
+    ):
+        raise ValueError(
+            f"{kind.name} blocks are multiplied with int8 activations (or, Q4_1_X16, bf16 ones) only"
+        )
     x = x.contiguous()
     rows, out_features = x.shape[0], blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
@@ -140,7 +155,9 @@ def quant_matmul(
         is_bf16,
         torch.get_num_threads(),
     )
-    if status:  # pd_quant_matmul returns nothing (None); pd_quant_matmul_a8 0, or -1
+    if status == -2:
+        raise ValueError(f"the kernels do not multiply {kind.name} blocks by {x.dtype} activations")
+    if status:
         raise MemoryError("quantized matmul: its buffers could not be allocated")
     return out
 

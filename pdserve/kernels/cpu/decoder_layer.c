@@ -51,12 +51,11 @@ typedef struct {
 } PdDecoderLayer;
 
 /* pd_quant_matmul, or pd_quant_matmul_a8 when the layer's activations go to int8. Returns 0, or
- * -1 when the int8 kernel's buffers could not be allocated. */
+ * what the kernel returned otherwise (-1: its buffers could not be allocated). */
 static int project(const PdDecoderLayer *layer, int kind, const void *x, int is_bf16, int64_t rows, int64_t K,
                    const uint8_t *w, int64_t N, void *y, int threads) {
     if (layer->int8_activations) return pd_quant_matmul_a8(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
-    pd_quant_matmul(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
-    return 0;
+    return pd_quant_matmul(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
 }
 
 /* a[i] = a[i] + b[i], rounded to the dtype (torch's elementwise add). */

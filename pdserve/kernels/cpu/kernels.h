@@ -9,8 +9,8 @@
 #include <stdint.h>
 
 /* quant_matmul.c */
-void pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                     void *y, int y_is_bf16, int threads);
+int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                    void *y, int y_is_bf16, int threads);
 
 /* int8_activations.c */
 int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
@@ -27,6 +27,11 @@ void a8_vnni_matmul(int kind, const int8_t *q, const int32_t *start, int64_t q_s
 int a8_x16_matmul(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M, int64_t K,
                   const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
 int pd_quant_x16_route(void);
+
+/* bf16_x16.c */
+int bf16_x16_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
+                    int threads);
+int pd_quant_bf16_x16_route(void);
 
 /* causal_attention.c */
 int pd_causal_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,

@@ -1,0 +1,116 @@
+"""Q4_1 weights interleaved 16 rows at a time against bf16 activations (``kernels/cpu/bf16_x16.c``).
+
+A bf16 ``gguf`` model holds its Q4_1 projections so where the CPU has AVX512-BF16. The kernel must
+compute what the dequantize-then-matmul reference does to the output's bf16 rounding, give a row
+the same bits in any batch, refuse what it does not take (fp32 x, Q8_0_X16 without int8 x), and
+a fused decoder layer over such weights must equal its per-op path. Without AVX512-BF16 the same
+kind runs a plain loop: these tests hold there too.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGML
+
+from pdserve.engine.model.gguf_blocks import to_kernel_blocks
+from pdserve.engine.model.quant_linear import QuantLinear, install_blocks
+from pdserve.kernels import cpu_build, cpu_decoder_layer, cpu_quant
+from pdserve.kernels.cpu_quant import BlockKind
+from tests.test_cpu_decoder_layer import decode_inputs, per_op, quantized_layer
+
+pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
+
+
+def interleaved(
+    out_features: int, in_features: int, seed: int = 7
+) -> tuple[BlockKind, torch.Tensor, torch.Tensor]:
+    """``(Q4_1_X16, interleaved blocks, row-major blocks)`` of a random weight, by gguf's quantizer."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((out_features, in_features)).astype(np.float32) * in_features**-0.5
+    _, blocks = to_kernel_blocks(
+        GGML.Q4_1, gguf.quants.quantize(weights, GGML.Q4_1), out_features, in_features
+    )
+    kind, x16 = cpu_quant.interleave_rows(BlockKind.Q4_1, blocks, in_features)
+    return kind, x16, blocks
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 576), (32, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_kernel_computes_what_the_reference_does(rows, shape):
+    out_features, in_features = shape
+    kind, x16, blocks = interleaved(out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = cpu_quant.quant_matmul(x, kind, x16, in_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    want = cpu_quant.quant_matmul_ref(x.double(), BlockKind.Q4_1, blocks, in_features)
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=2**-8 * float(want.abs().max()))
+
+
+def test_a_rows_result_is_the_same_in_any_batch():
+    kind, x16, _ = interleaved(64, 576)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = cpu_quant.quant_matmul(x, kind, x16, 576)
+    for rows in (1, 3, 4, 5, 9):  # tiles of 4 rows of x, and what is left
+        assert torch.equal(cpu_quant.quant_matmul(x[-rows:], kind, x16, 576), whole[-rows:]), rows
+
+
+def test_what_it_does_not_take_is_refused():
+    kind, x16, _ = interleaved(16, 64)
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_quant.quant_matmul(torch.randn(1, 64), kind, x16, 64)  # fp32 x
+    rng = np.random.default_rng(1)
+    raw = gguf.quants.quantize(rng.standard_normal((16, 64)).astype(np.float32), GGML.Q8_0)
+    q8_kind, q8 = cpu_quant.interleave_rows(*to_kernel_blocks(GGML.Q8_0, raw, 16, 64), 64)
+    with pytest.raises(ValueError, match="int8 activations"):
+        cpu_quant.quant_matmul(torch.randn(1, 64).to(torch.bfloat16), q8_kind, q8, 64)
+
+
+@pytest.mark.skipif(
+    not cpu_quant.bf16_x16_route(), reason="interleaving bf16 Q4_1 is for CPUs with AVX512-BF16"
+)
+def test_a_bf16_model_holds_its_q4_1_projections_interleaved():
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(8, 64)
+    model.lm_head = None
+    model.proj = torch.nn.Linear(64, 32, bias=False)
+    model.odd = torch.nn.Linear(64, 24, bias=False)  # not whole groups of 16: stays row-major
+    _, x16, blocks = interleaved(32, 64)
+    _, _, odd_blocks = interleaved(48, 64)
+    install_blocks(
+        model,  # type: ignore[arg-type]
+        {
+            "proj.weight": (BlockKind.Q4_1, blocks),
+            "odd.weight": (BlockKind.Q4_1, odd_blocks[:24].contiguous()),
+        },
+        torch.bfloat16,
+    )
+    assert isinstance(model.proj, QuantLinear) and model.proj.kind is BlockKind.Q4_1_X16
+    assert torch.equal(model.proj.blocks, x16)
+    assert model.odd.kind is BlockKind.Q4_1
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_fused_layer_over_interleaved_weights_is_its_per_op_path(rows):
+    layer = quantized_layer(torch.bfloat16, GGML.Q4_1, bias=False)
+    for owner, name in (
+        (layer.self_attn, "qkv_proj"),
+        (layer.self_attn, "o_proj"),
+        (layer.mlp, "gate_up_proj"),
+        (layer.mlp, "down_proj"),
+    ):
+        proj = getattr(owner, name)
+        kind, x16 = cpu_quant.interleave_rows(proj.kind, proj.blocks, proj.in_features)
+        proj.kind, proj.blocks = kind, x16
+    hidden, cos, sin_signed, cache, meta = decode_inputs(rows, torch.bfloat16)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        assert layer.fused() is not None
+        assert cpu_decoder_layer.serves(layer.fused(), hidden, cos, cache[:, 1], meta, max_rows=16)
+        got = layer(hidden, cos, sin_signed, cache[:, 1], meta)
+        want = per_op(layer, hidden, cos, sin_signed, reference_cache[:, 1], meta)
+    assert torch.equal(cache, reference_cache)
+    assert torch.equal(got, want)
