@@ -327,6 +327,18 @@ def test_gguf_variants_pass_their_engine_args_after_the_common_ones():
     assert set(peers.VARIANTS) <= set(peers.SETUPS) and peers.LLAMACPP in peers.DEFAULT_SETUPS
 
 
+def test_cluster_setups_pass_cluster_args_to_pdserve_cluster():
+    args = peers.build_parser().parse_args(["--cluster-args", "--prefill-cpus 0,1 --decode-cpus 1"])
+    argv = peers.cluster_argv("gguf-a8-cluster", args, 8000, "/tmp/logs")
+    assert argv[argv.index("cluster") :][:5] == ["cluster", "--prefill", "1", "--decode", "1"]
+    assert "--engine-args=--quantization gguf-a8" in argv
+    at = argv.index("--prefill-cpus")
+    assert argv[at : at + 4] == ["--prefill-cpus", "0,1", "--decode-cpus", "1"]
+    assert argv[-2:] == ["--log-dir", "/tmp/logs/gguf-a8-cluster"]
+    plain = peers.cluster_argv("default-cluster", peers.build_parser().parse_args([]), 8000, "/tmp/logs")
+    assert "--prefill-cpus" not in plain and not any(a.startswith("--engine-args") for a in plain)
+
+
 @pytest.mark.slow
 @requires_peer_venv
 @requires_llamacpp

@@ -163,6 +163,15 @@ def engine_args_of(setup: str, args: argparse.Namespace) -> str:
     return f"{args.engine_args} {args.gguf_engine_args if variant_args is None else variant_args}".strip()
 
 
+def cluster_argv(setup: str, args: argparse.Namespace, port: int, log_dir: str) -> list[str]:
+    """``pdserve cluster`` for a cluster setup: 1P1D, its engine args, then ``--cluster-args``."""
+    model = ["--model", args.model] if args.model else []
+    engine_args = engine_args_of(setup, args)
+    extra = [f"--engine-args={engine_args}"] if engine_args else []  # "=": it may start with --
+    return _pdserve("cluster", "--prefill", "1", "--decode", "1", "--http-port", str(port), *model, *extra,
+                    *shlex.split(args.cluster_args), "--log-dir", os.path.join(log_dir, setup))  # fmt: skip
+
+
 def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
     """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
     args, timeout = ctx.args, ctx.args.startup_timeout
@@ -194,10 +203,7 @@ def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
             argv = ctx.venv.server_argv(ctx.hf_dir, SERVED_NAME, HOST, port) + shlex.split(args.vllm_args)
             env = ctx.peer_env
         elif kind == "default-cluster":
-            extra = [f"--engine-args={engine_args_str}"] if engine_args_str else []  # "=": may start with --
-            argv = _pdserve("cluster", "--prefill", "1", "--decode", "1", "--http-port", str(port),
-                            *model, *extra, *shlex.split(args.cluster_args),
-                            "--log-dir", os.path.join(ctx.log_dir, setup))  # fmt: skip
+            argv = cluster_argv(setup, args, port, ctx.log_dir)
         elif kind == "colocated":
             argv = _pdserve("router", "--host", HOST, "--port", str(grpc_port), *upstream,
                             "--http-port", str(port), *model)  # fmt: skip
