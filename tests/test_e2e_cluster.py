@@ -435,7 +435,10 @@ def test_decode_engine_killed_mid_stream_is_resumed_on_the_other_with_the_same_t
     other decode engine (which computes prompt + streamed tokens itself), so the client's stream
     goes on and ends with exactly the colocated greedy tokens."""
     prompt = _fresh_prompt(tiny_llm.tokenizer)
-    max_tokens = 600
+    # As long as the engines' max_model_len (1024) lets it run: the kill must land while the
+    # decode engine is still generating, and with 600 tokens a loaded CI machine once let the
+    # whole answer finish on it between the stream's first tokens and the kill.
+    max_tokens = 1024 - len(prompt) - 1
     want = tiny_llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
     with (
         LocalCluster(1, 2, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS) as cluster,
