@@ -38,6 +38,14 @@ static inline __m256i fp32x16_to_bf16(__m512 v) {
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)); /* (bits >> 16) | 0x40 */
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16));
 }
+
+/* 16 fp32 to a[i..i+15] of an fp32 or bf16 array (rounded to nearest even): put_f32 for a vector. */
+static inline void put_f32x16(void *a, int is_bf16, int64_t i, __m512 v) {
+    if (is_bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)a + i), fp32x16_to_bf16(v));
+    else
+        _mm512_storeu_ps((float *)a + i, v);
+}
 #endif
 
 /* Element i of a bf16 (is_bf16) or fp32 array, as fp32. */

@@ -151,13 +151,7 @@ static void bf16_x16_vector(const uint16_t *x, const float *xsum, int64_t M, int
                 case 3: group_bf16(w + g * group_bytes, xt, K, st, 3, out); break;
                 default: group_bf16(w + g * group_bytes, xt, K, st, 4, out); break;
             }
-            for (int r = 0; r < rows; r++) {
-                const int64_t at = (m0 + r) * N + g * X16;
-                if (y_is_bf16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), fp32x16_to_bf16(out[r]));
-                else
-                    _mm512_storeu_ps((float *)y + at, out[r]);
-            }
+            for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
         }
 }
 #endif

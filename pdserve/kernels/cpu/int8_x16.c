@@ -184,13 +184,7 @@ static void x16_vnni(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, 
             if (x.start) tile.start += m0 * (x.K / QK);
             __m512 out[X16_ROWS];
             group_dispatch(kind, w + g * group_bytes, tile, rows, out);
-            for (int r = 0; r < rows; r++) {
-                const int64_t at = (m0 + r) * N + g * X16;
-                if (y_is_bf16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), fp32x16_to_bf16(out[r]));
-                else
-                    _mm512_storeu_ps((float *)y + at, out[r]);
-            }
+            for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
         }
 }
 #endif

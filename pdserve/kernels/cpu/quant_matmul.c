@@ -133,14 +133,8 @@ static inline void decode_block(int kind, BlockRef ref, __m512 *lo, __m512 *hi) 
 
 /* 32 decoded weights to out[at...] in fp32 or bf16. */
 static inline void store_block(void *out, int out_is_bf16, int64_t at, __m512 lo, __m512 hi) {
-    if (out_is_bf16) {
-        uint16_t *o = (uint16_t *)out + at;
-        _mm256_storeu_si256((__m256i *)o, fp32x16_to_bf16(lo));
-        _mm256_storeu_si256((__m256i *)(o + 16), fp32x16_to_bf16(hi));
-    } else {
-        _mm512_storeu_ps((float *)out + at, lo);
-        _mm512_storeu_ps((float *)out + at + 16, hi);
-    }
+    put_f32x16(out, out_is_bf16, at, lo);
+    put_f32x16(out, out_is_bf16, at + 16, hi);
 }
 
 /* The 16 rows' bytes of four vectors whose lane r holds 4 bytes of row r (an interleaved chunk's
