@@ -30,6 +30,7 @@
 #include <omp.h>
 
 #define BF16_X16_ROWS 4 /* rows of x a pass over a group's blocks serves (16 weight vectors stay live) */
+#define BF16_X16_PREFETCH_BYTES 4096 /* how far ahead of the chunk being read the weights are asked for */
 
 /* xsum [M, blocks]: each block's x summed in fp32, in order. */
 static void block_sums(const uint16_t *x, int64_t M, int64_t K, float *xsum) {
@@ -101,11 +102,8 @@ static inline __attribute__((always_inline)) void group_bf16(const uint8_t *grou
     for (int r = 0; r < rows; r++) acc[r] = mins[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * X16 * Q4_1_BYTES;
-        _mm_prefetch((const char *)chunk + 4096, _MM_HINT_T0);
-        _mm_prefetch((const char *)chunk + 4096 + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)chunk + 4096 + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)chunk + 4096 + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)chunk + 4096 + 256, _MM_HINT_T0);
+        for (int line = 0; line < 5; line++) /* a chunk's 320 bytes, BF16_X16_PREFETCH_BYTES on */
+            _mm_prefetch((const char *)chunk + BF16_X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
         __m512bh q[4][4]; /* [word i][lo 01, lo 23, hi 01, hi 23] */
         for (int i = 0; i < 4; i++) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * i);

@@ -49,14 +49,22 @@ static inline int block_bytes(int kind) { return kind == KIND_Q4_1 || kind == KI
 
 static inline int is_x16(int kind) { return kind == KIND_Q4_1_X16 || kind == KIND_Q8_0_X16; }
 
+/* The row-major kind holding the same blocks (KIND_Q4_1 or KIND_Q8_0). */
+static inline int plain_kind(int kind) { return is_x16(kind) ? kind - KIND_Q4_1_X16 : kind; }
+
+/* An interleaved chunk's vectors of 64 bytes (4 bytes of each of its 16 rows' blocks), before its
+ * scales: Q4_1's 16 nibble bytes a block make 4, Q8_0's 32 weights 8. */
+static inline int x16_words(int kind) { return plain_kind(kind) == KIND_Q4_1 ? 4 : 8; }
+
 /* Block b of weight row n of an interleaved (x16) matrix of K inputs, as its plain kind holds it:
  * Q4_1's 16 nibble bytes or Q8_0's 32 int8 into qs, its fp16 scale d and minimum m (0 for
- * Q8_0). Where the int8_x16.c kernels' plain loop and the dequantization read single rows. */
+ * Q8_0). Where the plain loops of int8_x16.c and bf16_x16.c and the dequantization of single
+ * rows read them. */
 static inline void x16_block(int kind, const uint8_t *w, int64_t K, int64_t n, int64_t b, uint8_t *qs, uint16_t *d,
                              uint16_t *m) {
     const int64_t blocks = K / QK, lane = n % X16;
     const uint8_t *chunk = w + ((n / X16) * blocks + b) * X16 * block_bytes(kind);
-    const int words = kind == KIND_Q4_1_X16 ? 4 : 8; /* 4-byte pieces of a row's block */
+    const int words = x16_words(kind); /* 4-byte pieces of a row's block */
     for (int i = 0; i < words; i++) memcpy(qs + 4 * i, chunk + 64 * i + 4 * lane, 4);
     const uint8_t *scales = chunk + 64 * words;
     memcpy(d, scales + 2 * lane, 2);

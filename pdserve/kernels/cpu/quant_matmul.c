@@ -65,13 +65,6 @@ static const float *widen(const void *x, int x_is_bf16, int64_t count, float **o
     return out;
 }
 
-static inline void store(void *out, int out_is_bf16, int64_t index, float value) {
-    if (out_is_bf16)
-        ((uint16_t *)out)[index] = fp32_to_bf16(value);
-    else
-        ((float *)out)[index] = value;
-}
-
 /* Where block b of a row is: Q4_1's nibbles, scale and minimum live in three regions of the row
  * (see the header); a Q8_0 block is contiguous (d, then qs). */
 typedef struct {
@@ -165,7 +158,7 @@ static inline __m128i lane_128(__m512i v, int lane) {
  * 11 for the row-major layout (one Zen 5 core). */
 static void dequant_x16_all(int kind, const uint8_t *w, int64_t K, void *out, int out_is_bf16, int64_t N, int threads) {
     const int64_t blocks = K / QK, chunk_bytes = X16 * block_bytes(kind);
-    const int plain = kind - KIND_Q4_1_X16, words = kind == KIND_Q4_1_X16 ? 4 : 8;
+    const int plain = plain_kind(kind), words = x16_words(kind);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t g = 0; g < N / X16; g++)
         for (int64_t b = 0; b < blocks; b++) {
@@ -173,7 +166,7 @@ static void dequant_x16_all(int kind, const uint8_t *w, int64_t K, void *out, in
             const uint16_t *d = (const uint16_t *)(chunk + 64 * words), *m = d + X16;
             __m512i first[4], second[4];
             rows_of_words(chunk, first);
-            if (plain == 1) { /* Q8_0: the second 16 weights, and the stored +128 taken back */
+            if (plain == KIND_Q8_0) { /* the second 16 weights, and the stored +128 taken back */
                 rows_of_words(chunk + 256, second);
                 for (int j = 0; j < 4; j++) {
                     first[j] = _mm512_xor_si512(first[j], _mm512_set1_epi8((char)0x80));
@@ -184,8 +177,9 @@ static void dequant_x16_all(int kind, const uint8_t *w, int64_t K, void *out, in
                 for (int j = 0; j < 4; j++) {
                     const int r = 4 * lane + j;
                     __m512 lo, hi;
-                    decode_bytes(plain, lane_128(first[j], lane), plain == 1 ? lane_128(second[j], lane) : _mm_setzero_si128(),
-                                 d[r], plain == 0 ? m[r] : 0, &lo, &hi);
+                    decode_bytes(plain, lane_128(first[j], lane),
+                                 plain == KIND_Q8_0 ? lane_128(second[j], lane) : _mm_setzero_si128(), d[r],
+                                 plain == KIND_Q4_1 ? m[r] : 0, &lo, &hi);
                     store_block(out, out_is_bf16, (g * X16 + r) * K + b * QK, lo, hi);
                 }
         }
@@ -387,7 +381,7 @@ static void lut_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
                 LUT_ROWS_CASE(1) LUT_ROWS_CASE(2) LUT_ROWS_CASE(3) LUT_ROWS_CASE(4)
 #undef LUT_ROWS_CASE
             }
-            for (int64_t r = m0; r < M && r < m0 + LUT_ROWS_PER_TILE; r++) store(y, y_is_bf16, r * N + n, dot[r - m0]);
+            for (int64_t r = m0; r < M && r < m0 + LUT_ROWS_PER_TILE; r++) put_f32(y, y_is_bf16, r * N + n, dot[r - m0]);
         }
     free(xr);
     free(xsum);
@@ -596,7 +590,7 @@ static void avx2_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
                 }
             }
             for (int64_t n = n0; n < N && n < n0 + COLS_PER_TILE; n++)
-                for (int64_t r = 0; r < M; r++) store(y, y_is_bf16, r * N + n, dot[n - n0][r]);
+                for (int64_t r = 0; r < M; r++) put_f32(y, y_is_bf16, r * N + n, dot[n - n0][r]);
         }
     } else {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -606,7 +600,7 @@ static void avx2_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
                 int rows = (int)(M - m0 < ROWS_PER_TILE ? M - m0 : ROWS_PER_TILE);
                 row_dots_avx2_dispatch(kind, w + n * row_bytes, blocks, xp + m0 * K, xsum + m0 * xsum_stride,
                                        xsum_stride, K, rows, dot);
-                for (int r = 0; r < rows; r++) store(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
+                for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
             }
         }
     }
@@ -640,7 +634,7 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
             for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_TILE) {
                 int rows = (int)(M - m0 < ROWS_PER_TILE ? M - m0 : ROWS_PER_TILE);
                 row_dots_bf16_dispatch(kind, w + n * row_bytes, blocks, (const uint16_t *)x + m0 * K, K, rows, dot);
-                for (int r = 0; r < rows; r++) store(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
+                for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
             }
         }
         return 0;
@@ -658,7 +652,7 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_TILE) {
             int rows = (int)(M - m0 < ROWS_PER_TILE ? M - m0 : ROWS_PER_TILE);
             row_dots_dispatch(kind, w + n * row_bytes, blocks, xf + m0 * K, K, rows, dot);
-            for (int r = 0; r < rows; r++) store(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
+            for (int r = 0; r < rows; r++) put_f32(y, y_is_bf16, (m0 + r) * N + n, dot[r]);
         }
     }
 #endif
@@ -678,7 +672,7 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
                       int out_is_bf16, int threads) {
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
-    const int plain = is_x16(kind) ? kind - KIND_Q4_1_X16 : kind;
+    const int plain = plain_kind(kind);
 #if defined(__AVX512F__)
     if (is_x16(kind) && rows == NULL) {
         dequant_x16_all(kind, w, K, out, out_is_bf16, count, threads);
@@ -700,7 +694,7 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
         float buf[QK];
         for (int64_t b = 0; b < blocks; b++) {
             decode_scalar(plain, block_of(kind, w, w_row, K, n, b, gathered), buf);
-            for (int j = 0; j < QK; j++) store(out, out_is_bf16, i * K + b * QK + j, buf[j]);
+            for (int j = 0; j < QK; j++) put_f32(out, out_is_bf16, i * K + b * QK + j, buf[j]);
         }
 #endif
     }
