@@ -1,6 +1,7 @@
 /*
- * bf16 <-> fp32 for the CPU kernels, and element access to arrays of either (included by each C source beside it; the build's cache key
- * covers this header too, pdserve/kernels/cpu_build.py).
+ * bf16 <-> fp32 for the CPU kernels, element access to arrays of either, and (AVX-512) their
+ * 16-wide loads, stores and broadcasts (included by each C source beside it; the build's cache
+ * key covers this header too, pdserve/kernels/cpu_build.py).
  */
 #ifndef PDSERVE_BF16_H
 #define PDSERVE_BF16_H
@@ -37,6 +38,14 @@ static inline __m256i fp32x16_to_bf16(__m512 v) {
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)); /* (bits >> 16) | 0x40 */
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16));
+}
+
+/* The 4 bytes at `at` (any alignment) in every 32-bit lane: a pair of bf16 or four int8 of x,
+ * against 16 rows at once in one vdpbf16ps or vpdpbusd. */
+static inline __m512i broadcast_u32(const void *at) {
+    uint32_t word;
+    memcpy(&word, at, 4);
+    return _mm512_set1_epi32((int)word);
 }
 
 /* 16 fp32 to a[i..i+15] of an fp32 or bf16 array (rounded to nearest even): put_f32 for a vector. */

@@ -80,12 +80,6 @@ static void bf16_x16_plain(const uint16_t *x, const float *xsum, int64_t M, int6
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline __m512bh x_pair(const uint16_t *at) {
-    int32_t word;
-    memcpy(&word, at, 4);
-    return (__m512bh)_mm512_set1_epi32(word);
-}
-
 /* 16 weight rows (a group, from its first chunk) against `rows` rows of x: out[r], 16 outputs. */
 static inline __attribute__((always_inline)) void group_bf16(const uint8_t *group, const uint16_t *x, int64_t K,
                                                              const float *xsum, int rows, __m512 *out) {
@@ -120,10 +114,10 @@ static inline __attribute__((always_inline)) void group_bf16(const uint8_t *grou
             const uint16_t *xb = x + r * K + b * QK;
             __m512 chain[4];
             for (int i = 0; i < 4; i++) { /* pairs in the plain loop's order: lo 01, lo 23, hi 01, hi 23 */
-                chain[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[i][0], x_pair(xb + 4 * i));
-                chain[i] = _mm512_dpbf16_ps(chain[i], q[i][1], x_pair(xb + 4 * i + 2));
-                chain[i] = _mm512_dpbf16_ps(chain[i], q[i][2], x_pair(xb + 16 + 4 * i));
-                chain[i] = _mm512_dpbf16_ps(chain[i], q[i][3], x_pair(xb + 16 + 4 * i + 2));
+                chain[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[i][0], (__m512bh)broadcast_u32(xb + 4 * i));
+                chain[i] = _mm512_dpbf16_ps(chain[i], q[i][1], (__m512bh)broadcast_u32(xb + 4 * i + 2));
+                chain[i] = _mm512_dpbf16_ps(chain[i], q[i][2], (__m512bh)broadcast_u32(xb + 16 + 4 * i));
+                chain[i] = _mm512_dpbf16_ps(chain[i], q[i][3], (__m512bh)broadcast_u32(xb + 16 + 4 * i + 2));
             }
             const __m512 t = _mm512_add_ps(_mm512_add_ps(chain[0], chain[1]), _mm512_add_ps(chain[2], chain[3]));
             acc[r] = _mm512_fmadd_ps(t, d, acc[r]);

@@ -35,12 +35,6 @@
 #define QUERY_ROWS 4 /* query rows a pass over the packed keys and values serves */
 #define MAX_DIM_VECS 8 /* head_dim up to 128: 4 rows x 8 accumulators of 16 dims */
 
-static inline uint32_t word_at(const uint16_t *at) {
-    uint32_t word;
-    memcpy(&word, at, 4);
-    return word;
-}
-
 /* K [L, stride] (one KV head's head_dim values at each row) as tiles of 16 keys (see the header);
  * keys past L are zeros. */
 static void pack_keys(const uint16_t *k, int64_t stride, int64_t L, int64_t D, uint32_t *kp) {
@@ -48,7 +42,13 @@ static void pack_keys(const uint16_t *k, int64_t stride, int64_t L, int64_t D, u
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t c = 0; c < 16; c++) {
             const int64_t j = t * 16 + c;
-            for (int64_t p = 0; p < pairs; p++) kp[(t * pairs + p) * 16 + c] = j < L ? word_at(k + j * stride + 2 * p) : 0;
+            for (int64_t p = 0; p < pairs; p++) {
+                uint32_t *word = kp + (t * pairs + p) * 16 + c;
+                if (j < L)
+                    memcpy(word, k + j * stride + 2 * p, 4);
+                else
+                    *word = 0;
+            }
         }
 }
 
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, 
         for (int64_t p = 0; p < pairs; p++) {
             const __m512bh w = (__m512bh)_mm512_loadu_si512(kp + (t * pairs + p) * 16);
             for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)word_at(q + r * q_stride + 2 * p)));
+                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)broadcast_u32(q + r * q_stride + 2 * p));
         }
         for (int r = 0; r < rows; r++) _mm512_storeu_ps(scores + r * row_stride + 16 * t, _mm512_mul_ps(acc[r], scale_v));
     }
@@ -107,7 +107,7 @@ static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, 
         for (int c = 0; c < vecs; c++) o[r][c] = _mm512_setzero_ps();
     for (int64_t jp = 0; jp < key_pairs; jp++) {
         __m512bh pair[QUERY_ROWS];
-        for (int r = 0; r < rows; r++) pair[r] = (__m512bh)_mm512_set1_epi32((int)word_at(probs + r * row_stride + 2 * jp));
+        for (int r = 0; r < rows; r++) pair[r] = (__m512bh)broadcast_u32(probs + r * row_stride + 2 * jp);
         for (int c = 0; c < vecs; c++) {
             const __m512bh w = (__m512bh)_mm512_loadu_si512(vp + jp * D + 16 * c);
             for (int r = 0; r < rows; r++) o[r][c] = _mm512_dpbf16_ps(o[r][c], w, pair[r]);

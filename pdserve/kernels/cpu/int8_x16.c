@@ -83,12 +83,6 @@ static void x16_plain(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N,
  * ms, 16 KB 3.42-3.49, 24 KB 3.43-3.45; in a loop over the matrices alone 16 KB did best. */
 #define X16_PREFETCH_BYTES 8192
 
-static inline __m512i x_word(const int8_t *at) {
-    int32_t word;
-    memcpy(&word, at, 4);
-    return _mm512_set1_epi32(word);
-}
-
 /* 16 weight rows (one group: `group` points at its first chunk) against `rows` rows of x:
  * out[r] = the 16 outputs of row r. */
 static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *group, X16In x, int rows, __m512 *out) {
@@ -112,8 +106,8 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
             const int8_t *xq = x.q + r * x.K + b * QK;
             __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++) {
-                first = _mm512_dpbusd_epi32(first, lo[i], x_word(xq + 4 * i));
-                second = _mm512_dpbusd_epi32(second, hi[i], x_word(xq + 16 + 4 * i));
+                first = _mm512_dpbusd_epi32(first, lo[i], broadcast_u32(xq + 4 * i));
+                second = _mm512_dpbusd_epi32(second, hi[i], broadcast_u32(xq + 16 + 4 * i));
             }
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
@@ -138,8 +132,8 @@ static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *grou
             const int8_t *xq = x.q + r * x.K + b * QK;
             __m512i first = _mm512_set1_epi32(x.start[r * (x.K / QK) + b]), second = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++) {
-                first = _mm512_dpbusd_epi32(first, weights[i], x_word(xq + 4 * i));
-                second = _mm512_dpbusd_epi32(second, weights[4 + i], x_word(xq + 16 + 4 * i));
+                first = _mm512_dpbusd_epi32(first, weights[i], broadcast_u32(xq + 4 * i));
+                second = _mm512_dpbusd_epi32(second, weights[4 + i], broadcast_u32(xq + 16 + 4 * i));
             }
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
