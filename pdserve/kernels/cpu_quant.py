@@ -30,9 +30,11 @@ class BlockKind(IntEnum):
     """The block layouts the kernels read (the values are the C side's ``kind``).
 
     ``Q4_1_X16`` / ``Q8_0_X16``: the same blocks interleaved 16 rows at a time
-    (``interleave_rows``; ``kernels/cpu/int8_x16.c`` has the layout), which only the
-    int8-activation kernel multiplies (and the dequantization decodes): made at load for
-    ``--quantization gguf-a8 / int8-a8`` where the CPU has AVX512-VNNI (``x16_route``).
+    (``interleave_rows``; ``kernels/cpu/int8_x16.c`` has the layout), which the int8-activation
+    kernel multiplies, and for Q4_1 the bf16 one (``kernels/cpu/bf16_x16.c``); the dequantization
+    decodes both. Made at load for ``--quantization gguf-a8 / int8-a8`` where the CPU has
+    AVX512-VNNI (``x16_route``), and for a bf16 model's Q4_1 projections where it has AVX512-BF16
+    (``bf16_x16_route``).
     """
 
     Q4_1 = 0
@@ -130,14 +132,6 @@ def quant_matmul(
         check_blocks(kind, blocks, in_features)
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"activations must be float32 or bfloat16, not {x.dtype}")
-    if (
-        kind.interleaved
-        and not int8_activations
-        and not (kind is BlockKind.Q4_1_X16 and x.dtype == torch.bfloat16)
-    ):
-        raise ValueError(
-            f"{kind.name} blocks are multiplied with int8 activations (or, Q4_1_X16, bf16 ones) only"
-        )
     x = x.contiguous()
     rows, out_features = x.shape[0], blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
@@ -155,8 +149,11 @@ def quant_matmul(
         is_bf16,
         torch.get_num_threads(),
     )
-    if status == -2:
-        raise ValueError(f"the kernels do not multiply {kind.name} blocks by {x.dtype} activations")
+    if status == -2:  # the kernel's own word on which kinds take which activations
+        raise ValueError(
+            f"{kind.name} blocks are multiplied with int8 activations (or, Q4_1_X16, bf16 ones) only, "
+            f"not {x.dtype} ones"
+        )
     if status:
         raise MemoryError("quantized matmul: its buffers could not be allocated")
     return out
