@@ -530,14 +530,14 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
     const int64_t lanes = 8;
 #endif
     if (head_dim % lanes == 0) {
+        const int64_t elem = kv_is_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && num_seqs > 1)
         for (int64_t s = 0; s < num_seqs; s++) {
             float *mine = scratch + (int64_t)omp_get_thread_num() * (max_len + 2 * head_dim) * num_heads;
             float *qs = mine + max_len * num_heads, *accs = qs + num_heads * head_dim;
             if (s + 1 < num_seqs && seq_lens[s + 1] > 0) /* the next sequence's first keys, into L2 meanwhile */
-                PREFETCH_SHARE((const char *)kv + (int64_t)block_tables[(s + 1) * max_blocks] * block_stride *
-                                                      (kv_is_bf16 ? 2 : 4),
-                               half_stride * (kv_is_bf16 ? 2 : 4), 0, 1, _MM_HINT_T1);
+                PREFETCH_SHARE((const char *)kv + (int64_t)block_tables[(s + 1) * max_blocks] * block_stride * elem,
+                               half_stride * elem, 0, 1, _MM_HINT_T1);
             for (int64_t h = 0; h < num_heads; h++) {
                 load_row(q, q_is_bf16, (s * num_heads + h) * head_dim, (int)head_dim, qs + h * head_dim);
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] *= scale;
