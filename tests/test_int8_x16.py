@@ -65,7 +65,7 @@ def test_interleaving_refuses_what_it_cannot_lay_out():
         cpu_quant.interleave_rows(x16_kind, x16, 64)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         cpu_quant.check_blocks(x16_kind, x16[:8].contiguous(), 64)
-    with pytest.raises(ValueError, match="int8 activations"):
+    with pytest.raises(ValueError, match="int8 or bf16 activations"):
         cpu_quant.quant_matmul(torch.randn(1, 64), x16_kind, x16, 64)
 
 

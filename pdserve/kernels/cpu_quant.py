@@ -31,10 +31,10 @@ class BlockKind(IntEnum):
 
     ``Q4_1_X16`` / ``Q8_0_X16``: the same blocks interleaved 16 rows at a time
     (``interleave_rows``; ``kernels/cpu/int8_x16.c`` has the layout), which the int8-activation
-    kernel multiplies, and for Q4_1 the bf16 one (``kernels/cpu/bf16_x16.c``); the dequantization
-    decodes both. Made at load for ``--quantization gguf-a8 / int8-a8`` where the CPU has
-    AVX512-VNNI (``x16_route``), and for a bf16 model's Q4_1 projections where it has AVX512-BF16
-    (``bf16_x16_route``).
+    kernel and the bf16 one (``kernels/cpu/bf16_x16.c``) multiply; the dequantization decodes
+    both. Made at load for ``--quantization gguf-a8 / int8-a8`` where the CPU has AVX512-VNNI
+    (``x16_route``), and for a bf16 model's block-held projections and LM head where it has
+    AVX512-BF16 (``bf16_x16_route``).
     """
 
     Q4_1 = 0
@@ -95,9 +95,9 @@ def x16_route() -> bool:
 
 
 def bf16_x16_route() -> bool:
-    """True when ``Q4_1_X16`` against bf16 activations runs a vector kernel here (AVX512-BF16:
-    ``kernels/cpu/bf16_x16.c``), so that a bf16 ``gguf`` model's Q4_1 projections are
-    interleaved only where that pays."""
+    """True when the interleaved kinds against bf16 activations run a vector kernel here
+    (AVX512-BF16: ``kernels/cpu/bf16_x16.c``), so that a bf16 model's block-held projections and
+    LM head are interleaved only where that pays."""
     return available() and bool(library().pd_quant_bf16_x16_route())
 
 
@@ -151,8 +151,7 @@ def quant_matmul(
     )
     if status == -2:  # the kernel's own word on which kinds take which activations
         raise ValueError(
-            f"{kind.name} blocks are multiplied with int8 activations (or, Q4_1_X16, bf16 ones) only, "
-            f"not {x.dtype} ones"
+            f"{kind.name} blocks are multiplied with int8 or bf16 activations only, not {x.dtype} ones"
         )
     if status:
         raise MemoryError("quantized matmul: its buffers could not be allocated")

@@ -29,8 +29,8 @@ int a8_x16_matmul(int kind, const int8_t *q, const float *d, const float *s, int
 int pd_quant_x16_route(void);
 
 /* bf16_x16.c */
-int bf16_x16_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
-                    int threads);
+int bf16_x16_matmul(int kind, const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y,
+                    int y_is_bf16, int threads);
 int pd_quant_bf16_x16_route(void);
 
 /* causal_attention.c */

@@ -611,7 +611,7 @@ static void avx2_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
 
 /*
  * y[M, N] = x[M, K] @ W^T. kind 0: Q4_1 blocks, 1: Q8_0 blocks; W is [N, K / 32] blocks, row-major;
- * kind 2 (Q4_1_X16) the same interleaved by 16 rows, with bf16 x only. x and y are bf16 (flag 1)
+ * kinds 2 and 3 (Q4_1_X16, Q8_0_X16) the same interleaved by 16 rows, with bf16 x only. x and y are bf16 (flag 1)
  * or fp32 (flag 0), contiguous. K must be a multiple of 32. Returns 0; -1 when a buffer could
  * not be allocated, -2 for a kind and x it does not take (nothing written then).
  */
@@ -619,9 +619,8 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
                     void *y, int y_is_bf16, int threads) {
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
-    if (is_x16(kind)) /* interleaved rows: Q4_1 against bf16 x only (bf16_x16.c) */
-        return kind == KIND_Q4_1_X16 && x_is_bf16 ? bf16_x16_matmul((const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads)
-                                                  : -2;
+    if (is_x16(kind)) /* interleaved rows: against bf16 x only (bf16_x16.c) */
+        return x_is_bf16 ? bf16_x16_matmul(kind, (const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads) : -2;
 #if defined(__AVX512BF16__)
     if (kind == 0 && x_is_bf16) {
         lut_matmul((const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads);
