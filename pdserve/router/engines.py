@@ -49,6 +49,9 @@ class EngineHandle:
     healthy: bool = False
     info: engine_pb2.EngineInfo | None = None
     in_flight: int = 0  # requests the router has running on this engine
+    # A decode engine's requests sent it whole (no KV to pull) that have not produced a token yet:
+    # the prompts it is prefilling itself.
+    local_prefills: int = 0
     retired: bool = False  # its DNS name no longer lists it: no new requests, dropped when idle
     # Recently sent prompt blocks (an LRU of chained block hashes): what its prefix cache may hold.
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)

@@ -29,6 +29,14 @@ class RouterMetrics:
             "Requests whose decode moved to another engine after its engine went away mid-stream",
             registry=self.registry,
         )
+        self.routed = Counter(
+            "pdserve_router_routed",
+            "Requests by how they were served: disaggregated (prefill then decode), or colocated on "
+            "a decode engine because the prompt's uncached part was short or the prefill engines "
+            "were backlogged",
+            ["path"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Time to first token",

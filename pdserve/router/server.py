@@ -32,7 +32,7 @@ from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import DEFAULT_KV_LOAD_WEIGHT, POLICIES, RoutingPolicy
-from pdserve.router.service import RouterServicer
+from pdserve.router.service import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_QUEUE, RouterServicer
 from pdserve.router.trace import TraceLog
 from pdserve.tls import ServerTls
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -93,6 +93,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="prompts with fewer uncached tokens than this skip prefill and run on decode (0: always P/D)",
     )
     parser.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_QUEUE,
+        help="when every prefill engine has this many prompts queued or running, a decode engine "
+        "that is prefilling nothing itself takes the next prompt whole (0: never)",
+    )
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        help="--max-prefill-queue moves prompts of at most this many uncached tokens to decode",
+    )
+    parser.add_argument(
         "--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED (HTTP 429)"
     )
     parser.add_argument(
@@ -147,7 +160,15 @@ async def serve_router(
     trace = TraceLog(args.trace_file)
     policy = RoutingPolicy(args.policy, kv_events, args.kv_load_weight)
     servicer = RouterServicer(
-        pool, tokenizer, policy, metrics, args.disagg_min_tokens, args.max_inflight, trace
+        pool,
+        tokenizer,
+        policy,
+        metrics,
+        args.disagg_min_tokens,
+        args.max_inflight,
+        trace,
+        max_prefill_queue=args.max_prefill_queue,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
     )
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],

@@ -4,7 +4,9 @@ A request's path: tokenize and validate; pick a prefill engine (policy) and ask 
 first token with ``do_remote_decode``; stream that token to the client at once (TTFT does not
 wait for the KV transfer); pick a decode engine and send it the prompt + first token + the
 prefill's ``kv_transfer_params``; stream decode's tokens. A prompt whose uncached part is short
-goes straight to a decode engine (conditional disaggregation). Whatever ends the request early
+goes straight to a decode engine (conditional disaggregation), and so does any prompt while
+every prefill engine is backlogged and a decode engine is prefilling nothing itself
+(``--max-prefill-queue``, conditional disaggregation by load). Whatever ends the request early
 (client cancel, deadline, an engine failure) aborts it on every engine it touched.
 """
 
@@ -91,6 +93,15 @@ class _Aborted(Exception):
     """The client asked (through Abort, or by disconnecting) to end the request."""
 
 
+# Prompts every prefill engine must have in its prefill stage before a decode engine takes the
+# next one whole (``RouterServicer._prefill_backlogged``). Chosen by ``pdserve bench peers`` on
+# two cores (see the README's Performance section).
+DEFAULT_MAX_PREFILL_QUEUE = 4
+# The longest uncached prompt a decode engine takes whole that way: its other streams wait for
+# that prefill's step.
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1024
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
         self,
@@ -101,12 +112,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         disagg_min_tokens: int,
         max_inflight: int,
         trace: TraceLog | None = None,
+        max_prefill_queue: int = 0,
+        max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         self.policy = policy
         self.metrics = metrics
         self.disagg_min_tokens = disagg_min_tokens
+        self.max_prefill_queue = max_prefill_queue
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.max_inflight = max_inflight
         self.trace = trace or TraceLog(None)
         self.live: dict[str, LiveRequest] = {}
@@ -259,7 +274,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not decodes:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode engine")
         decode_hit = max(self.policy.expected_blocks(d, block_hashes) for d in decodes) * block_size
-        direct = not prefills or len(tokens) - decode_hit < self.disagg_min_tokens
+        uncached = len(tokens) - decode_hit
+        short = uncached < self.disagg_min_tokens
+        backlogged = (
+            not short
+            and bool(prefills)
+            and uncached <= self.max_local_prefill_tokens
+            and self._prefill_backlogged(prefills, decodes)
+        )
+        direct = not prefills or short or backlogged
+        self.metrics.routed.labels(
+            path="backlog_colocated" if backlogged else "colocated" if direct else "disaggregated"
+        ).inc()
+        if backlogged:
+            logger.info(
+                "%s: every prefill engine has >= %d prompts queued; prefilling on a decode engine",
+                live.request_id,
+                self.max_prefill_queue,
+            )
 
         # What decode starts from: nothing (served colocated on decode), or the prefill's first
         # token and the address of the blocks it holds for decode to pull.
@@ -318,6 +350,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ) as decoded:
             async for response in decoded:
                 yield response
+
+    def _prefill_backlogged(self, prefills: list[EngineHandle], decodes: list[EngineHandle]) -> bool:
+        """True when a prompt is better prefilled on a decode engine: every prefill engine has at
+        least ``max_prefill_queue`` prompts in its prefill stage (queued or running) and some
+        decode engine is prefilling none itself. As Dynamo's disaggregated router does with its
+        prefill queue: a prefill engine is one core's worth of prompts, and when it falls behind
+        (8 streams of 256-token prompts on two cores) the decode engine, idle between short
+        steps, would otherwise wait for it; at most one such prompt at a time per decode engine,
+        so its streams' steps are held up by one prefill chunk, not a queue of them. 0: never."""
+        if self.max_prefill_queue <= 0:
+            return False
+        return min(e.in_flight for e in prefills) >= self.max_prefill_queue and any(
+            e.local_prefills == 0 for e in decodes
+        )
 
     async def _decode(
         self,
@@ -402,7 +448,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             candidates = [e for e in self.pool.of_role(role) if e.address not in tried]
             if not candidates:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} engine")
-            engine = self.policy.pick(candidates, block_hashes)
+            if role == "decode" and kv is None:
+                # Prefilling here: an engine busy prefilling another prompt is the last choice.
+                idle = [e for e in candidates if e.local_prefills == 0]
+                engine = self.policy.pick(idle or candidates, block_hashes)
+            else:
+                engine = self.policy.pick(candidates, block_hashes)
             # The last token is never a cache hit (its logits must be computed).
             live.expected_hit_blocks[role] = min(
                 self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // self._limits()[2]
@@ -413,6 +464,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             engine.in_flight += 1
             self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
             produced = False
+            prefilling = role == "decode" and kv is None
+            if prefilling:
+                engine.local_prefills += 1
             try:
                 call = engine.stub.Generate(
                     engine_pb2.EngineGenerateRequest(
@@ -427,6 +481,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 )
                 live.calls.append(call)
                 async for message in call:
+                    if prefilling:
+                        prefilling = False
+                        engine.local_prefills -= 1
                     produced = True
                     if message.finish_reason:
                         # Its prefix cache now holds the prompt (remembered before the caller,
@@ -476,6 +533,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     code, f"{role} engine {engine.address}: {exc.details()}", resumable=resumable
                 ) from None
             finally:
+                if prefilling:
+                    engine.local_prefills -= 1
                 engine.in_flight -= 1
                 self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
 
