@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
-from pdserve.engine.model.quant_linear import QuantLinear, use_int8_activations
+from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear, use_int8_activations
 from pdserve.kernels import cpu_build, cpu_quant
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
@@ -106,9 +106,10 @@ def test_an_empty_batch_gets_an_empty_result():
     assert got.shape == (0, 8)
 
 
-def test_quant_linear_opts_in_for_decode_rows_only():
+def test_quant_linear_opts_in_for_its_kernels_rows():
     """``use_int8_activations`` switches the kernel's rows (decode batches); prefill chunks past
-    the kernel's row limit keep decoding the blocks for a GEMM in the activations' dtype."""
+    the kernel's row limit run it too where the weights are interleaved (AVX512-VNNI), and
+    elsewhere keep decoding the blocks for a GEMM in the activations' dtype."""
     kind, blocks = kernel_blocks(GGML.Q4_1, 64, 256)
     linear = QuantLinear(kind, blocks, 256)
     module = torch.nn.Sequential(linear)
@@ -121,8 +122,13 @@ def test_quant_linear_opts_in_for_decode_rows_only():
         rtol=2e-6,
         atol=1e-5,
     )
-    torch.testing.assert_close(
-        linear(x), cpu_quant.quant_matmul_ref(x, kind, blocks, 256), rtol=1e-5, atol=1e-5
-    )
+    if linear.int8_gemm:
+        assert cpu_quant.x16_route() and x.shape[0] > KERNEL_MAX_ROWS
+        want = cpu_quant.quant_matmul_a8_ref(x.double(), kind, blocks, 256).float()
+        torch.testing.assert_close(linear(x), want, rtol=2e-6, atol=1e-5)
+    else:
+        torch.testing.assert_close(
+            linear(x), cpu_quant.quant_matmul_ref(x, kind, blocks, 256), rtol=1e-5, atol=1e-5
+        )
     with pytest.raises(ValueError, match="block-held weights"):
         use_int8_activations(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -97,7 +97,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_PREFILL_QUEUE,
         help="when every prefill engine has this many prompts queued or running, a decode engine "
-        "that is prefilling nothing itself takes the next prompt whole (0: never)",
+        "that is prefilling nothing itself takes the next prompt whole (0, or --disagg-min-tokens 0: never)",
     )
     parser.add_argument(
         "--max-local-prefill-tokens",

@@ -358,8 +358,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prefill queue: a prefill engine is one core's worth of prompts, and when it falls behind
         (8 streams of 256-token prompts on two cores) the decode engine, idle between short
         steps, would otherwise wait for it; at most one such prompt at a time per decode engine,
-        so its streams' steps are held up by one prefill chunk, not a queue of them. 0: never."""
-        if self.max_prefill_queue <= 0:
+        so its streams' steps are held up by one prefill chunk, not a queue of them. Never with
+        ``max_prefill_queue`` 0, nor with ``disagg_min_tokens`` 0, which promises P/D always."""
+        if self.max_prefill_queue <= 0 or self.disagg_min_tokens <= 0:  # 0: always P/D
             return False
         return min(e.in_flight for e in prefills) >= self.max_prefill_queue and any(
             e.local_prefills == 0 for e in decodes
