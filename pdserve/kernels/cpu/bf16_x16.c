@@ -56,6 +56,10 @@ static inline int pair_input(int kind, int i, int p) {
     return 4 * i + (p & 1);
 }
 
+/* Where pair p of word i starts in a block of xs (prepare_x's order): Q4_1 has 4 distinct pairs
+ * a word, Q8_0 2 (its low and high nibbles share them). */
+static inline int pair_at(int q4, int i, int p) { return q4 ? 8 * i + 2 * p : 4 * i + 2 * (p & 1); }
+
 /* xs [M, blocks, pairs]: each block's x as the kernels read its pairs, word by word (Q4_1: 4
  * words x 4 pairs; Q8_0: 8 words x 2 distinct pairs, low and high nibbles sharing them). And
  * xsum [M, blocks]: each block's x summed in fp32, in order. */
@@ -99,18 +103,21 @@ static void bf16_x16_plain(int kind, const uint16_t *xs, const float *xsum, int6
         for (int64_t r = 0; r < M; r++) {
             float acc = 0.0f, mins = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
-                const uint8_t *chunk = w + ((n / X16) * blocks + b) * X16 * block_bytes(kind);
+                uint8_t qs[QK];
+                uint16_t d16, m16;
+                x16_block(kind, w, K, n, b, qs, &d16, &m16);
                 const uint16_t *xb = xs + r * K + b * QK;
                 float t = 0.0f;
                 for (int half = 0; half < halves; half++) {
                     float chain[4];
                     for (int c = 0; c < 4; c++) { /* word 4 half + c, pair by pair as vdpbf16ps adds */
                         const int i = 4 * half + c;
-                        uint32_t lane;
-                        memcpy(&lane, chunk + 64 * i + 4 * (n % X16), 4);
+                        uint32_t lane; /* as the vector kernel's lane holds it: Q8_0 plus 128 */
+                        memcpy(&lane, qs + 4 * i, 4);
+                        if (!q4) lane ^= 0x80808080u;
                         float sum = 0.0f;
                         for (int p = 0; p < 4; p++) {
-                            const uint16_t *pair = xb + (q4 ? 8 * i + 2 * p : 4 * i + 2 * (p & 1));
+                            const uint16_t *pair = xb + pair_at(q4, i, p);
                             float q0, q1;
                             decode_pair(kind, lane, p, &q0, &q1);
                             sum = sum + (q0 * bf16_to_fp32(pair[0]) + q1 * bf16_to_fp32(pair[1]));
@@ -119,12 +126,8 @@ static void bf16_x16_plain(int kind, const uint16_t *xs, const float *xsum, int6
                     }
                     t += (chain[0] + chain[1]) + (chain[2] + chain[3]);
                 }
-                const uint8_t *scales = chunk + 64 * x16_words(kind);
-                uint16_t d16, m16 = 0;
-                memcpy(&d16, scales + 2 * (n % X16), 2);
                 const float d = fp16_to_fp32(d16), x_sum = xsum[r * blocks + b];
                 if (q4) {
-                    memcpy(&m16, scales + 2 * X16 + 2 * (n % X16), 2);
                     acc = fmaf(t, d, acc);
                     mins = fmaf(fmaf(d, -128.0f, fp16_to_fp32(m16)), x_sum, mins);
                 } else {
@@ -151,7 +154,7 @@ static inline __attribute__((always_inline)) __m512 chains_of(const __m512bh pai
     for (int i = 0; i < 4; i++) {
         chain[i] = _mm512_setzero_ps();
         for (int p = 0; p < 4; p++) {
-            const uint16_t *pair = xb + (q4 ? 8 * i + 2 * p : 4 * i + 2 * (p & 1));
+            const uint16_t *pair = xb + pair_at(q4, i, p);
             chain[i] = _mm512_dpbf16_ps(chain[i], pairs[i][p], (__m512bh)broadcast_u32(pair));
         }
     }

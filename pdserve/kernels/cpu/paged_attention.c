@@ -318,25 +318,6 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
 #if defined(AVX2_ROUTE)
 #define MAX_VECS8 (MAX_HEAD_DIM / 8)
 
-/* exp(x) for x <= 0, 8 at a time: the same Cephes expf as exp_nonpositive (AVX-512), with 2^n
- * built in the exponent field (n >= -126 after the clamp, so it stays a normal number). */
-static inline __m256 exp_nonpositive8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-}
-
 /* One position's K or V row of nvec * 8 values as fp32 vectors. */
 static inline __attribute__((always_inline)) void load_vecs8(const void *cache, int is_bf16, int64_t offset, int nvec,
                                                              __m256 *v) {
