@@ -445,12 +445,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Run one stage on an engine of ``role``; retried once elsewhere if the engine was
         unreachable before it produced anything."""
         tried: set[str] = set()
+        # A decode stage with no KV to pull: the engine prefills the prompt itself.
+        local_prefill = role == "decode" and kv is None
         while True:
             candidates = [e for e in self.pool.of_role(role) if e.address not in tried]
             if not candidates:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} engine")
-            if role == "decode" and kv is None:
-                # Prefilling here: an engine busy prefilling another prompt is the last choice.
+            if local_prefill:
+                # An engine busy prefilling another prompt is the last choice.
                 idle = [e for e in candidates if e.local_prefills == 0]
                 engine = self.policy.pick(idle or candidates, block_hashes)
             else:
@@ -465,7 +467,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             engine.in_flight += 1
             self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
             produced = False
-            prefilling = role == "decode" and kv is None
+            prefilling = local_prefill  # until its first message
             if prefilling:
                 engine.local_prefills += 1
             try:
