@@ -2,8 +2,9 @@
 
 RoPE, the KV write and bf16 RMSNorm must be bit-identical to the torch path (``llama.apply_rope``,
 ``reference.reshape_and_cache_ref``, ``llama.RMSNorm``'s torch branch); fp32 RMSNorm may differ by
-a rounding of its scale (another order of the sum of squares). The model falls back to torch
-where the library cannot be had or a backend is forced.
+a rounding of its scale (another order of the sum of squares). SiLU x up uses its own exp, within
+a few fp32 ulps of torch's. The model falls back to torch where the library cannot be had or a
+backend is forced.
 """
 
 from __future__ import annotations
@@ -73,6 +74,57 @@ def test_rope_and_the_kv_write_match_torch_bit_for_bit(dtype):
     assert torch.equal(cache, want_cache)  # layer 2's slots written, everything else untouched
 
 
+@DTYPES
+@pytest.mark.parametrize("inter", [1536, 40, 7])  # whole vectors; a partial last one; less than one
+def test_silu_times_up_matches_torch(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=gen) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -100.0])  # zero, exp's clamp on both sides
+    got = cpu_layer_ops.silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert got.dtype == dtype and got.shape == (5, inter)
+    if dtype == torch.bfloat16:  # each SiLU rounded to bf16 before the product, as torch does
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-30)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+    assert got[0, 2] == gate_up[0, inter + 2] * 90.0  # silu(90) is 90 in fp32
+    # the C pass reads only its own row: a row alone gives what it gives among others
+    assert torch.equal(cpu_layer_ops.silu_mul(gate_up[3:4]), got[3:4])
+
+
+def test_the_mlp_runs_silu_times_up_in_c_where_it_can(monkeypatch):
+    from pdserve.engine.model.arch import ModelArchConfig
+    from pdserve.engine.model.llama import LlamaMLP
+
+    calls = []
+    real = cpu_layer_ops.silu_mul
+    monkeypatch.setattr(
+        cpu_layer_ops, "silu_mul", lambda gate_up: calls.append(gate_up.shape) or real(gate_up)
+    )
+    config = ModelArchConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    mlp = LlamaMLP(config)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        got = mlp(x)
+        monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+        want = mlp(x)
+    assert calls == [(3, 192)]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_shapes_that_do_not_fit_are_refused():
     qkv = torch.randn(2, 15, 64)
     cache_layer = torch.zeros(4, 3, 2, 16, 3, 64)[:, 0]
@@ -81,6 +133,8 @@ def test_shapes_that_do_not_fit_are_refused():
         cpu_layer_ops.rope_and_cache(qkv, 8, cos, cos, cache_layer, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="rms_norm"):
         cpu_layer_ops.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="not gate \\+ up"):
+        cpu_layer_ops.silu_mul(torch.randn(2, 7))
 
 
 def test_the_torch_ops_run_where_the_c_ones_cannot(monkeypatch):

@@ -31,9 +31,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_rms_norm.restype = None
     lib.pd_rope_and_cache.argtypes = [ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, cint, ptr, i64, i64, i64]
     lib.pd_rope_and_cache.restype = None
+    lib.pd_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
+    lib.pd_silu_mul.restype = None
 
 
-KERNELS = CLibrary("layer_ops.c", _declare, "layer ops (RMSNorm, RoPE, KV write)")
+KERNELS = CLibrary("layer_ops.c", _declare, "layer ops (RMSNorm, RoPE, KV write, SiLU x up)")
 
 
 def serves(x: torch.Tensor) -> bool:
@@ -114,3 +116,17 @@ def rope_and_cache(
         kv_cache_layer.stride(0),
         kv_cache_layer.stride(1),
     )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate_up`` = ``[rows, 2 * inter]`` (gate, then up), rounded as torch
+    rounds them, with layer_ops.c's exp (the fused decoder layer's, so that both paths agree)."""
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"silu_mul: gate_up width {width} is not gate + up")
+    gate_up = gate_up.contiguous()
+    act = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    KERNELS.load().pd_silu_mul(
+        gate_up.data_ptr(), act.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16)
+    )
+    return act

@@ -140,6 +140,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if cpu_layer_ops.serves(gate_up):  # one C pass, the fused decoder layer's (layer_ops.c)
+            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))
         size = self.intermediate_size
         return self.down_proj(F.silu(gate_up[:, :size]) * gate_up[:, size:])
 

@@ -37,7 +37,16 @@ static inline __m256i fp32x16_to_bf16(__m512 v) {
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)); /* (bits >> 16) | 0x40 */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16));
+    const __m512i chosen = _mm512_mask_blend_epi32(nan, rounded, quiet);
+#if defined(__AVX512BW__)
+    /* The high halves gathered by one vpermw rather than vpmovdw, which GCC folds into the store
+     * (a slow form on AMD Zen 4/5): SiLU x up of 512 rows in bf16 on one Zen 5 core, 365 -> 346 us. */
+    const __m512i high_halves = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27,
+                                                 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_halves, chosen));
+#else
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(chosen, 16));
+#endif
 }
 
 /* The 4 bytes at `at` (any alignment) in every 32-bit lane: a pair of bf16 or four int8 of x,

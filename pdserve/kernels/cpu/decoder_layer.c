@@ -13,7 +13,7 @@
  *
  * The ops are the same C functions the per-op path calls (kernels.h), in the same order and
  * with the same roundings to the activations' dtype, so a row's result is the per-op path's bit
- * for bit except SiLU in fp32: expf here against torch's vectorised exp, an ulp apart at most.
+ * for bit.
  * Like the per-op path, a row's result does not depend on the rows batched with it.
  *
  *   normed = rms_norm(h)                       input_layernorm
@@ -121,14 +121,7 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
     pd_rms_norm(hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, layer->eps, is_bf16);
     status |= project(layer, layer->gate_up_kind, normed, is_bf16, rows, H, layer->gate_up, 2 * I, gate_up, threads);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = get_f32(gate_up, is_bf16, r * 2 * I + i), up = get_f32(gate_up, is_bf16, r * 2 * I + I + i);
-            /* F.silu(gate) rounded to the dtype, then times up, rounded again: as torch does */
-            float silu = g / (1.0f + expf(-g));
-            if (is_bf16) silu = bf16_to_fp32(fp32_to_bf16(silu));
-            put_f32(act, is_bf16, r * I + i, silu * up);
-        }
+    pd_silu_mul(gate_up, act, rows, I, is_bf16);
     status |= project(layer, layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, threads);
     add_into(hidden_out, o, is_bf16, rows * H);
     return status;
