@@ -33,6 +33,39 @@ static inline float round_to(int is_bf16, float v) { return is_bf16 ? bf16_to_fp
 
 #define MAX_DIM 16384
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 lanes at a time: the same per-element arithmetic as the scalar loops, so the same bits. */
+#define VEC16 1
+
+/* The first n lanes (all 16 from n = 16 on). */
+static inline __mmask16 lanes_of(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* round_to for 16 lanes: to the nearest even bf16 in place (a NaN stays as it is). */
+static inline __m512 round_to16(int is_bf16, __m512 v) {
+    if (!is_bf16) return v;
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v, _mm512_castsi512_ps(rounded));
+}
+
+/* lanes (a mask of the first n) of a[i..] as fp32; zeros elsewhere. */
+static inline __m512 load_lanes16(const void *a, int is_bf16, int64_t i, __mmask16 lanes) {
+    if (lanes == 0xffff) return is_bf16 ? bf16x16_to_fp32((const uint16_t *)a + i) : _mm512_loadu_ps((const float *)a + i);
+    if (!is_bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)a + i);
+    const __m256i raw = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)a + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* v's lanes to a[i..], rounded to a's dtype (put_f32 for a vector). */
+static inline void store_lanes16(void *a, int is_bf16, int64_t i, __mmask16 lanes, __m512 v) {
+    if (is_bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)a + i, lanes, fp32x16_to_bf16(v));
+    else
+        _mm512_mask_storeu_ps((float *)a + i, lanes, v);
+}
+#endif
+
 /*
  * out[r] = weight * norm(s[r]) for rows r of `dim`, where s = x, or s = x + delta (rounded to the
  * dtype, and written to sum_out) when delta is not NULL. HF's LlamaRMSNorm: in fp32,
@@ -43,6 +76,36 @@ static inline float round_to(int is_bf16, float v) { return is_bf16 ? bf16_to_fp
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
                  int64_t dim, float eps, int is_bf16) {
     float s[MAX_DIM];
+#if defined(VEC16)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = r * dim;
+        for (int64_t j = 0; j < dim; j += 16) {
+            const __mmask16 lanes = lanes_of(dim - j);
+            __m512 v = load_lanes16(x, is_bf16, row + j, lanes);
+            if (delta != NULL) {
+                v = round_to16(is_bf16, _mm512_add_ps(v, load_lanes16(delta, is_bf16, row + j, lanes)));
+                store_lanes16(sum_out, is_bf16, row + j, lanes, v);
+            }
+            _mm512_mask_storeu_ps(s + j, lanes, v);
+        }
+        __m256 lanes8 = _mm256_setzero_ps(); /* the scalar loop's 8 lanes, in its order */
+        int64_t j = 0;
+        for (; j + 8 <= dim; j += 8) {
+            const __m256 v = _mm256_loadu_ps(s + j);
+            lanes8 = _mm256_add_ps(lanes8, _mm256_mul_ps(v, v));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, lanes8);
+        float sum_sq = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        for (; j < dim; j++) sum_sq += s[j] * s[j];
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum_sq / (float)dim + eps));
+        for (j = 0; j < dim; j += 16) {
+            const __mmask16 lanes = lanes_of(dim - j);
+            const __m512 normed = round_to16(is_bf16, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), inv));
+            store_lanes16(out, is_bf16, row + j, lanes, _mm512_mul_ps(load_lanes16(weight, is_bf16, j, lanes), normed));
+        }
+    }
+#else
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = r * dim;
         for (int64_t j = 0; j < dim; j++) {
@@ -65,6 +128,7 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
             put_f32(out, is_bf16, row + j, get_f32(weight, is_bf16, j) * normed);
         }
     }
+#endif
 }
 
 /*
@@ -85,6 +149,26 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
     float x[MAX_DIM];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t trig = r * head_dim;
+#if defined(VEC16)
+        if (half % 16 == 0 && head_dim <= 256) { /* each half whole vectors: swapped is a vector too */
+            __m512 c[16], sn[16];
+            const int64_t nvec = head_dim / 16, half_vecs = half / 16;
+            for (int64_t v = 0; v < nvec; v++) {
+                c[v] = load_lanes16(cos, is_bf16, trig + 16 * v, 0xffff);
+                sn[v] = load_lanes16(sin_signed, is_bf16, trig + 16 * v, 0xffff);
+            }
+            for (int64_t h = 0; h < heads + kv_heads; h++) {
+                const int64_t base = r * width + h * head_dim;
+                __m512 xv[16];
+                for (int64_t v = 0; v < nvec; v++) xv[v] = load_lanes16(qkv, is_bf16, base + 16 * v, 0xffff);
+                for (int64_t v = 0; v < nvec; v++) {
+                    const __m512 swapped = xv[v < half_vecs ? v + half_vecs : v - half_vecs];
+                    const __m512 a = round_to16(is_bf16, _mm512_mul_ps(xv[v], c[v]));
+                    store_lanes16(qkv, is_bf16, base + 16 * v, 0xffff, _mm512_fmadd_ps(swapped, sn[v], a));
+                }
+            }
+        } else
+#endif
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             const int64_t base = r * width + h * head_dim;
             for (int64_t d = 0; d < head_dim; d++) x[d] = get_f32(qkv, is_bf16, base + d);
@@ -99,6 +183,12 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
         if (slot < 0) continue;
         const int64_t dst = (slot / block_size) * block_stride + (slot % block_size) * kv_heads * head_dim;
         const int64_t k_src = r * width + heads * head_dim, v_src = k_src + kv_heads * head_dim;
+        if (cache_is_bf16 == is_bf16) { /* the same dtype: the bytes as they are */
+            const size_t es = is_bf16 ? 2 : 4, bytes = (size_t)(kv_heads * head_dim) * es;
+            memcpy((char *)cache + (size_t)dst * es, (const char *)qkv + (size_t)k_src * es, bytes);
+            memcpy((char *)cache + (size_t)(dst + half_stride) * es, (const char *)qkv + (size_t)v_src * es, bytes);
+            continue;
+        }
         for (int64_t e = 0; e < kv_heads * head_dim; e++) {
             put_f32(cache, cache_is_bf16, dst + e, get_f32(qkv, is_bf16, k_src + e));
             put_f32(cache, cache_is_bf16, dst + half_stride + e, get_f32(qkv, is_bf16, v_src + e));
@@ -117,36 +207,15 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
  * Why in C: as a scalar loop over expf inside the fused layer it was 9% of an 8-sequence decode
  * step of SmolLM2-135M on one Zen 5 core (1.3 ms of 14).
  */
-#if defined(__AVX512F__)
+#if defined(VEC16)
 static inline __m512 silu_mul16(__m512 g, __m512 up, int is_bf16) {
     const __m512 minus_abs = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g));
     /* 0 where exp's clamp would leave 2^-126 (a SiLU of g < -87 is -0 in bf16, as torch has it) */
     const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(minus_abs, _mm512_set1_ps(EXP_MIN), _CMP_GE_OQ),
                                          exp_nonpositive(minus_abs));
     const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 silu = _mm512_div_ps(_mm512_mask_mul_ps(g, negative, g, e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    if (is_bf16) { /* to the nearest even bf16, in place (a NaN stays as it is) */
-        const __m512i bits = _mm512_castps_si512(silu);
-        const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
-        const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32((int)0xffff0000u));
-        silu = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(silu, silu, _CMP_ORD_Q), silu, _mm512_castsi512_ps(rounded));
-    }
-    return _mm512_mul_ps(silu, up);
-}
-
-/* lanes (a mask of the first n) of a[i..] as fp32; zeros elsewhere. */
-static inline __m512 load_lanes16(const void *a, int is_bf16, int64_t i, __mmask16 lanes) {
-    if (lanes == 0xffff) return is_bf16 ? bf16x16_to_fp32((const uint16_t *)a + i) : _mm512_loadu_ps((const float *)a + i);
-    if (!is_bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)a + i);
-    const __m256i raw = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)a + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-static inline void store_lanes16(void *a, int is_bf16, int64_t i, __mmask16 lanes, __m512 v) {
-    if (is_bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)a + i, lanes, fp32x16_to_bf16(v));
-    else
-        _mm512_mask_storeu_ps((float *)a + i, lanes, v);
+    const __m512 silu = _mm512_div_ps(_mm512_mask_mul_ps(g, negative, g, e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_mul_ps(round_to16(is_bf16, silu), up);
 }
 #define SILU_LANES 16
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -182,7 +251,7 @@ void pd_silu_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, in
         int64_t i = 0;
 #if SILU_LANES == 16
         for (; i < inter; i += 16) {
-            const __mmask16 lanes = inter - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (inter - i)) - 1);
+            const __mmask16 lanes = lanes_of(inter - i);
             const __m512 g = load_lanes16(gate, is_bf16, i, lanes), u = load_lanes16(up, is_bf16, i, lanes);
             store_lanes16(out, is_bf16, i, lanes, silu_mul16(g, u, is_bf16));
         }
