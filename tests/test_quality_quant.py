@@ -17,6 +17,9 @@ of ``data/quality_text.txt``), bundled SmolLM2-135M (a Q4_1 file with a Q8_0 emb
 every projection runs the kernel: 22.0002 against fp32 dense 21.9148, +0.39%. On the Zen 5
 (AVX512-VNNI: interleaved weights, whose kernel runs prefill chunks too): fp32 in chunks of 16
 22.0225 (+0.49%), in whole windows 21.9870 (+0.33%); bf16 in whole windows 21.9418 (+0.12%).
+Since SiLU x up runs in C on every path (``layer_ops.c``'s exp, not torch's), the Zen 5 gives:
+bf16 ``gguf`` and bf16 dense 21.9045 (-0.048%), bf16 ``int8`` 21.8857 (-0.134%), fp32 ``gguf``
+and ``int8`` unchanged, fp32 ``gguf-a8`` in chunks of 16 22.0164 (+0.46%).
 
 ``gguf`` holds the same numbers as the dense model made from the same file, so its perplexity in
 fp32 is the dense one's to the last digit (prefill chunks decode the blocks and run the dense
