@@ -94,34 +94,21 @@ def test_silu_times_up_matches_torch(dtype, inter):
 
 
 def test_the_mlp_runs_silu_times_up_in_c_where_it_can(monkeypatch):
-    from pdserve.engine.model.arch import ModelArchConfig
     from pdserve.engine.model.llama import LlamaMLP
+    from tests.test_cpu_decoder_layer import CONFIG
 
     calls = []
     real = cpu_layer_ops.silu_mul
     monkeypatch.setattr(
         cpu_layer_ops, "silu_mul", lambda gate_up: calls.append(gate_up.shape) or real(gate_up)
     )
-    config = ModelArchConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    mlp = LlamaMLP(config)
-    x = torch.randn(3, 64)
+    mlp = LlamaMLP(CONFIG)
+    x = torch.randn(3, CONFIG.hidden_size)
     with torch.inference_mode():
         got = mlp(x)
         monkeypatch.setenv("PDSERVE_KERNELS", "torch")
         want = mlp(x)
-    assert calls == [(3, 192)]
+    assert calls == [(3, 2 * CONFIG.intermediate_size)]  # once, and not with the torch backend forced
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
