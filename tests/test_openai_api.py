@@ -373,13 +373,25 @@ def test_no_engine_to_serve_is_503(cluster, tiny_model_dir):
 # ---------------------------------------------------------------------- disconnects
 
 
+def _wait_aborted(cluster, count: float, timeout_s: float = 30.0) -> float:
+    """The router's abort count once it reaches ``count`` (or what it is after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := _aborted_count(cluster)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen
+
+
 def test_closing_a_stream_aborts_the_request_on_every_engine(cluster, sdk, grpc_client, long_prompt):
     aborted = _aborted_count(cluster)
-    with sdk.completions.create(
-        model=MODEL, prompt=long_prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
-    ) as stream:
-        next(iter(stream))
-        next(iter(stream))
+    # The decode engine is stopped while the stream is open and closes: with it running, the
+    # tiny model could finish all 400 tokens before the client had closed (the router then had
+    # nothing left to abort: the request ended "length").
+    with frozen(cluster.procs["decode-0"].pid):
+        with sdk.completions.create(
+            model=MODEL, prompt=long_prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        ):
+            time.sleep(1.0)  # the stream's headers came; prefill answers, decode cannot
+        assert _wait_aborted(cluster, aborted + 1) == aborted + 1  # the router saw the stream close
     _assert_idle(grpc_client)
     assert _aborted_count(cluster) == aborted + 1
 
@@ -396,9 +408,10 @@ def test_a_client_gone_mid_request_aborts_it_on_every_engine(cluster, grpc_clien
                 + body
             )
             time.sleep(1.5)  # prefill has answered; the decode stage is waiting on the frozen engine
-        time.sleep(0.5)  # the router sees the disconnect and aborts while decode is still frozen
+        # the router sees the disconnect and aborts while decode is still frozen
+        assert _wait_aborted(cluster, aborted + 1) == aborted + 1  # aborted, not run to its 400 tokens
     _assert_idle(grpc_client)
-    assert _aborted_count(cluster) == aborted + 1  # aborted, not run to its 400 tokens
+    assert _aborted_count(cluster) == aborted + 1
 
 
 # ---------------------------------------------------------------------- curl, health, metrics
