@@ -29,15 +29,29 @@ static inline __m512 bf16x16_to_fp32(const uint16_t *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
 }
 
-/* 16 fp32 as bf16, each rounded as fp32_to_bf16 rounds one (to nearest even; NaN stays NaN). */
-static inline __m256i fp32x16_to_bf16(__m512 v) {
+/* The first n lanes of a vector (all 16 from n = 16 on; n >= 1). */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* 16 fp32 rounded as fp32_to_bf16 rounds one (to nearest even; a NaN made quiet), the bf16 in
+ * the high half of each lane and the rounding's carry left in the low half. */
+static inline __m512i bf16x16_high_bits(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i rounded = _mm512_add_epi32(
         bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)); /* (bits >> 16) | 0x40 */
-    const __m512i chosen = _mm512_mask_blend_epi32(nan, rounded, quiet);
+    return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+
+/* 16 fp32 rounded to bf16 and back, in place: bf16_to_fp32(fp32_to_bf16(v)) for a vector. */
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16x16_high_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* 16 fp32 as bf16, each rounded as fp32_to_bf16 rounds one. */
+static inline __m256i fp32x16_to_bf16(__m512 v) {
+    const __m512i chosen = bf16x16_high_bits(v);
 #if defined(__AVX512BW__)
     /* The high halves gathered by one vpermw rather than vpmovdw, which GCC folds into the store
      * (a slow form on AMD Zen 4/5): SiLU x up of 512 rows in bf16 on one Zen 5 core, 365 -> 346 us. */

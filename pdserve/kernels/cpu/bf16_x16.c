@@ -263,7 +263,8 @@ static inline __attribute__((always_inline)) void group_bf16(int kind, const uin
         group_q8_0(group, xs, K, xsum, rows, out);
 }
 
-/* Group g of one kind against every tile of rows of x (kind a constant where it is inlined). */
+/* Group g of one kind against every tile of rows of x (kind a constant where it is inlined); xs
+ * is what the kind reads: Q4_1 prepare_x's reordered pairs, Q8_0 x as it is. */
 static inline __attribute__((always_inline)) void group_tiles(int kind, int64_t g, const uint16_t *xs,
                                                               const float *xsum, int64_t M, int64_t K,
                                                               const uint8_t *w, int64_t N, void *y, int y_is_bf16) {
@@ -296,10 +297,10 @@ static void bf16_x16_q4_1(const uint16_t *xs, const float *xsum, int64_t M, int6
     for (int64_t g = 0; g < N / X16; g++) group_tiles(KIND_Q4_1_X16, g, xs, xsum, M, K, w, N, y, y_is_bf16);
 }
 
-static void bf16_x16_q8_0(const uint16_t *xs, const float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+static void bf16_x16_q8_0(const uint16_t *x, const float *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                           void *y, int y_is_bf16, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t g = 0; g < N / X16; g++) group_tiles(KIND_Q8_0_X16, g, xs, xsum, M, K, w, N, y, y_is_bf16);
+    for (int64_t g = 0; g < N / X16; g++) group_tiles(KIND_Q8_0_X16, g, x, xsum, M, K, w, N, y, y_is_bf16);
 }
 #endif
 

@@ -64,6 +64,28 @@ static void pack_values(const uint16_t *v, int64_t stride, int64_t L, int64_t D,
         }
 }
 
+/* Scores of `rows` query rows (q: the first, rows q_stride apart) against key tiles t .. t +
+ * count - 1 (count 1 or 2, a constant where inlined: each broadcast of a query pair serves both
+ * tiles), times scale, into scores [rows][row_stride]. */
+static inline __attribute__((always_inline)) void score_tiles(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
+                                                              int64_t pairs, int64_t t, int count, int rows,
+                                                              __m512 scale_v, float *scores, int64_t row_stride) {
+    __m512 acc[QUERY_ROWS][2];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[2];
+        for (int c = 0; c < count; c++) w[c] = (__m512bh)_mm512_loadu_si512(kp + ((t + c) * pairs + p) * 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh qp = (__m512bh)broadcast_u32(q + r * q_stride + 2 * p);
+            for (int c = 0; c < count; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], qp);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < count; c++)
+            _mm512_storeu_ps(scores + r * row_stride + 16 * (t + c), _mm512_mul_ps(acc[r][c], scale_v));
+}
+
 /* Rows i0..i0+rows-1 of one query head (q: row i0's head, rows q_stride apart) against keys
  * 0..i0+rows-1: their outputs into out (row i0's head, out_stride apart). scores [rows][keys
  * rounded up to 16] and probs [rows][keys rounded up to 2] are the caller's buffers. */
@@ -74,33 +96,8 @@ static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, 
     const int64_t pairs = D / 2, keys = i0 + rows, tiles = (keys + 15) / 16, key_pairs = (keys + 1) / 2;
     const __m512 scale_v = _mm512_set1_ps(scale);
     int64_t t = 0;
-    for (; t + 2 <= tiles; t += 2) { /* two tiles a pass: each broadcast of the query serves 32 keys */
-        __m512 acc[QUERY_ROWS][2];
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pairs; p++) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(kp + (t * pairs + p) * 16);
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(kp + ((t + 1) * pairs + p) * 16);
-            for (int r = 0; r < rows; r++) {
-                const __m512bh qp = (__m512bh)broadcast_u32(q + r * q_stride + 2 * p);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, qp);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, qp);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            _mm512_storeu_ps(scores + r * row_stride + 16 * t, _mm512_mul_ps(acc[r][0], scale_v));
-            _mm512_storeu_ps(scores + r * row_stride + 16 * (t + 1), _mm512_mul_ps(acc[r][1], scale_v));
-        }
-    }
-    for (; t < tiles; t++) {
-        __m512 acc[QUERY_ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pairs; p++) {
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(kp + (t * pairs + p) * 16);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)broadcast_u32(q + r * q_stride + 2 * p));
-        }
-        for (int r = 0; r < rows; r++) _mm512_storeu_ps(scores + r * row_stride + 16 * t, _mm512_mul_ps(acc[r], scale_v));
-    }
+    for (; t + 2 <= tiles; t += 2) score_tiles(q, q_stride, kp, pairs, t, 2, rows, scale_v, scores, row_stride);
+    if (t < tiles) score_tiles(q, q_stride, kp, pairs, t, 1, rows, scale_v, scores, row_stride);
     float inverse[QUERY_ROWS];
     for (int r = 0; r < rows; r++) { /* row i0 + r: keys 0..i0 + r */
         float *s = scores + r * row_stride;
@@ -108,16 +105,16 @@ static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, 
         const int64_t n = i0 + r + 1;
         __m512 max = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __mmask16 live = first_lanes(n - j);
             max = _mm512_mask_max_ps(max, live, max, _mm512_maskz_loadu_ps(live, s + j));
         }
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(max));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < 2 * key_pairs; j += 16) {
-            const __mmask16 live = j >= n ? 0 : n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __mmask16 live = j >= n ? 0 : first_lanes(n - j);
             const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), top)));
             sum = _mm512_add_ps(sum, e);
-            const __mmask16 within = 2 * key_pairs - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (2 * key_pairs - j)) - 1);
+            const __mmask16 within = first_lanes(2 * key_pairs - j);
             _mm256_mask_storeu_epi16(pr + j, within, fp32x16_to_bf16(e)); /* zeros past the row's keys */
         }
         inverse[r] = 1.0f / _mm512_reduce_add_ps(sum);

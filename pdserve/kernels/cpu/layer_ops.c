@@ -37,17 +37,8 @@ static inline float round_to(int is_bf16, float v) { return is_bf16 ? bf16_to_fp
 /* 16 lanes at a time: the same per-element arithmetic as the scalar loops, so the same bits. */
 #define VEC16 1
 
-/* The first n lanes (all 16 from n = 16 on). */
-static inline __mmask16 lanes_of(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-/* round_to for 16 lanes: to the nearest even bf16 in place (a NaN stays as it is). */
-static inline __m512 round_to16(int is_bf16, __m512 v) {
-    if (!is_bf16) return v;
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
-    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32((int)0xffff0000u));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v, _mm512_castsi512_ps(rounded));
-}
+/* round_to for 16 lanes (bf16.h's round_bf16x16 where the dtype is bf16). */
+static inline __m512 round_to16(int is_bf16, __m512 v) { return is_bf16 ? round_bf16x16(v) : v; }
 
 /* lanes (a mask of the first n) of a[i..] as fp32; zeros elsewhere. */
 static inline __m512 load_lanes16(const void *a, int is_bf16, int64_t i, __mmask16 lanes) {
@@ -80,7 +71,7 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = r * dim;
         for (int64_t j = 0; j < dim; j += 16) {
-            const __mmask16 lanes = lanes_of(dim - j);
+            const __mmask16 lanes = first_lanes(dim - j);
             __m512 v = load_lanes16(x, is_bf16, row + j, lanes);
             if (delta != NULL) {
                 v = round_to16(is_bf16, _mm512_add_ps(v, load_lanes16(delta, is_bf16, row + j, lanes)));
@@ -100,7 +91,7 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
         for (; j < dim; j++) sum_sq += s[j] * s[j];
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum_sq / (float)dim + eps));
         for (j = 0; j < dim; j += 16) {
-            const __mmask16 lanes = lanes_of(dim - j);
+            const __mmask16 lanes = first_lanes(dim - j);
             const __m512 normed = round_to16(is_bf16, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), inv));
             store_lanes16(out, is_bf16, row + j, lanes, _mm512_mul_ps(load_lanes16(weight, is_bf16, j, lanes), normed));
         }
@@ -225,11 +216,13 @@ static inline __m256 silu_mul8(__m256 g, __m256 up, int is_bf16) {
     const __m256 e = _mm256_and_ps(exp_nonpositive8(minus_abs), _mm256_cmp_ps(minus_abs, _mm256_set1_ps(EXP_MIN), _CMP_GE_OQ));
     const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, zero, _CMP_LT_OQ));
     __m256 silu = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    if (is_bf16) { /* round to nearest even to bf16 and back (the rounding of fp32_to_bf16; NaN aside) */
+    if (is_bf16) { /* round to nearest even to bf16 and back, a NaN made quiet: round_to's bits */
         const __m256i bits = _mm256_castps_si256(silu);
         const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)));
         const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32((int)0xffff0000u));
-        silu = _mm256_blendv_ps(_mm256_castsi256_ps(rounded), silu, _mm256_cmp_ps(silu, silu, _CMP_UNORD_Q));
+        const __m256 quiet = _mm256_and_ps(_mm256_or_ps(silu, _mm256_castsi256_ps(_mm256_set1_epi32(0x400000))),
+                                           _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
+        silu = _mm256_blendv_ps(_mm256_castsi256_ps(rounded), quiet, _mm256_cmp_ps(silu, silu, _CMP_UNORD_Q));
     }
     return _mm256_mul_ps(silu, up);
 }
@@ -251,7 +244,7 @@ void pd_silu_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, in
         int64_t i = 0;
 #if SILU_LANES == 16
         for (; i < inter; i += 16) {
-            const __mmask16 lanes = lanes_of(inter - i);
+            const __mmask16 lanes = first_lanes(inter - i);
             const __m512 g = load_lanes16(gate, is_bf16, i, lanes), u = load_lanes16(up, is_bf16, i, lanes);
             store_lanes16(out, is_bf16, i, lanes, silu_mul16(g, u, is_bf16));
         }

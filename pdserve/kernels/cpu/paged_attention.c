@@ -127,8 +127,6 @@ static inline void prefetch_next_half(const void *kv, int64_t elem, const int32_
 #define MAX_VECS (MAX_HEAD_DIM / 16)
 #define MAX_SPECIAL_SUMS 24 /* registers the special cases of values_of_block keep their sums in */
 
-/* The first min(n, 16) lanes. */
-static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* One position's K or V row of nvec * 16 values as fp32 vectors. */
 static inline __attribute__((always_inline)) void load_vecs(const void *cache, int is_bf16, int64_t offset, int nvec,
