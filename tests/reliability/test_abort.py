@@ -38,9 +38,12 @@ from tests.reliability.helpers import (
 )
 
 PREFILL_SLOTS = 2
-# Two sequences at most, two prompt tokens per step: a long prompt takes hundreds of steps.
+# Two sequences at most, one prompt token each a step: a long prompt takes a thousand steps.
+# (Two tokens a step left a 1000-token prompt 0.27 s of prefill once the CPU layer ops were
+# vectorised, and a busy CI box once took longer than that between seeing it start and
+# freezing the core.)
 CHUNKED_PREFILL_ARGS = [
-    "--max-num-seqs", str(PREFILL_SLOTS), "--max-num-batched-tokens", "4", "--long-prefill-token-threshold", "2",
+    "--max-num-seqs", str(PREFILL_SLOTS), "--max-num-batched-tokens", "2", "--long-prefill-token-threshold", "1",
 ]  # fmt: skip
 LONG_PROMPT = 1000  # tokens (max_model_len is 1024)
 # Every read from this prefill engine stalls 1 s before its payload (below the 2 s timeout).
@@ -103,9 +106,14 @@ def _queued(env: Env, tokenizer, request_id: str) -> Iterator[Stream]:
 
 @contextlib.contextmanager
 def _prefill(env: Env, tokenizer, request_id: str) -> Iterator[Stream]:
-    """In the middle of a chunked prefill (about 500 steps of 2 tokens)."""
+    """In the middle of a chunked prefill (about 1000 steps of 1 token)."""
     target = Stream(env.client, generate_request(fresh_prompt(tokenizer, LONG_PROMPT), 8, request_id))
-    wait_for(lambda: engine_stats(env.prefill.address)["num_running"] == 1, 10, "the prefill to start")
+    wait_for(
+        lambda: engine_stats(env.prefill.address)["num_running"] == 1,
+        10,
+        "the prefill to start",
+        poll_s=0.005,
+    )
     with env.prefill.core_frozen():
         yield target
 
