@@ -38,7 +38,7 @@ test: lint
 # where it cannot. About 4 minutes on 2 cores from nothing (CI: 3:53), 2-3 once the images are cached.
 test-containers: $(STAMP)
 	PDSERVE_CONTAINER_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --log-cli-level=INFO \
-		--log-cli-format='%(asctime)s %(name)s: %(message)s' tests/containers
+		--log-cli-format='%(asctime)s %(name)s: %(message)s' tests/deploy/containers
 
 demo: $(STAMP)
 	$(PY) -m pdserve.demo

@@ -9,7 +9,7 @@ import pytest
 # The suite compares greedy tokens across batch shapes, engines and transformers: exact in fp32,
 # while bf16 rounding can flip a near-tie. So every engine and LLM the tests start computes in
 # fp32 unless a test asks otherwise; bf16 (what --dtype auto picks on a CPU with native bf16)
-# has its own quality tests (tests/test_quality_bf16.py) and placement test.
+# has its own quality tests (tests/engine/model/test_quality_bf16.py) and placement test.
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # Likewise dense weights (--quantization none), which transformers' reference computes with: the
 # default "auto" serves the bundled GGUF's blocks, whose matmuls sum in another order. The

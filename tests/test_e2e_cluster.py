@@ -30,8 +30,8 @@ from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster, pick_free_ports
 from pdserve.engine.request import SamplingParams
 from pdserve.v1 import engine_pb2_grpc
-from tests.cluster_helpers import TINY_ENGINE_ARGS, frozen, is_idle, next_within, pid_gone, wait_idle
-from tests.text_corpus import long_text, prompts_of_lengths
+from tests.helpers.cluster import TINY_ENGINE_ARGS, frozen, is_idle, next_within, pid_gone, wait_idle
+from tests.helpers.text_corpus import long_text, prompts_of_lengths
 
 MAX_TOKENS = 8
 # Short prompts run on decode alone (conditional disaggregation), the rest go through prefill.

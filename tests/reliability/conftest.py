@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.client import Client
-from tests.reliability.helpers import Proc, TestCluster
+from tests.helpers.reliability import Proc, TestCluster
 
 
 @dataclass

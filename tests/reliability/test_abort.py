@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from pdserve.client import Client
-from tests.reliability.helpers import (
+from tests.helpers.reliability import (
     CALL_TIMEOUT_S,
     Proc,
     Stream,

@@ -27,7 +27,7 @@ from pdserve.client import Client
 from pdserve.connector.side_channel import SideChannelClient, SideChannelError
 from pdserve.connector.transfer_params import PD_CONNECTOR_VERSION
 from pdserve.v1 import common_pb2, router_pb2
-from tests.reliability.helpers import (
+from tests.helpers.reliability import (
     CALL_TIMEOUT_S,
     HOST,
     engine_prefill,

@@ -23,7 +23,7 @@ from pdserve.connector.side_channel import SideChannelClient
 from pdserve.connector.transfer_params import PD_CONNECTOR_VERSION
 from pdserve.engine.model.tiny import write_tiny_model
 from pdserve.engine.request import SamplingParams
-from tests.reliability.helpers import (
+from tests.helpers.reliability import (
     HOST,
     TRANSFER_TIMEOUT_S,
     Proc,

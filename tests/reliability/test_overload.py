@@ -18,8 +18,8 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.v1 import router_pb2_grpc
-from tests.reliability.helpers import CALL_TIMEOUT_S, generate_request, rss_mb, settle, wait_idle
-from tests.text_corpus import long_text
+from tests.helpers.reliability import CALL_TIMEOUT_S, generate_request, rss_mb, settle, wait_idle
+from tests.helpers.text_corpus import long_text
 
 MAX_INFLIGHT = 8
 NUM_REQUESTS = 500

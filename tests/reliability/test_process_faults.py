@@ -27,7 +27,7 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.engine.request import SamplingParams
-from tests.reliability.helpers import (
+from tests.helpers.reliability import (
     Proc,
     Stream,
     TestCluster,

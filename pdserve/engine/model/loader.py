@@ -156,7 +156,7 @@ def resolve_quantization(name: str, path: str | None, kv_role: str = "both") -> 
     ``"none"``; any other name is returned as it is.
 
     A GGUF file's blocks are the numbers its dense copy would hold (the same perplexity, to the
-    last digit, tests/test_quality_quant.py), in 5-8.5 bits a weight instead of 16 or 32, and a
+    last digit, tests/engine/model/test_quality_quant.py), in 5-8.5 bits a weight instead of 16 or 32, and a
     decode step reads every weight once: measured on one core (``pdserve bench step``),
     SmolLM2-135M's step at one sequence took 37 ms from blocks against 68 ms dense fp32 on an
     AVX2 CPU, and 17 ms against 32 ms dense bf16 on an AVX512-BF16 one; at 8 sequences 90 vs

@@ -16,7 +16,7 @@ AVX512-VNNI the weights are interleaved (``kernels/cpu/int8_x16.c``) and prefill
 kernel too, as llama.cpp's prompt processing does: one vpdpbusd is 64 multiply-adds where
 vdpbf16ps is 32, so SmolLM2-135M's layers took 90 ms of a 256-token prompt instead of 125
 (decode + bf16 GEMM, one Zen 5 core). Elsewhere prefill chunks decode the blocks as above. What
-it costs in quality is measured in tests/test_quality_quant.py.
+it costs in quality is measured in tests/engine/model/test_quality_quant.py.
 
 The tied embedding and LM head share one block tensor, counted once.
 """

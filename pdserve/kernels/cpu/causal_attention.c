@@ -21,7 +21,7 @@
  * softmax in fp32 (its maximum subtracted, exp_nonpositive), the probabilities rounded to bf16
  * for the values' product, the sums in fp32, divided by the fp32 sum of the unrounded
  * probabilities, and the output rounded to bf16 (nearest even). A row's keys past its own
- * position are left out (causal). tests/test_causal_attention.py holds it to SDPA.
+ * position are left out (causal). tests/kernels/test_causal_attention.py holds it to SDPA.
  */
 #include <math.h>
 #include <stdint.h>

@@ -16,7 +16,7 @@
  *   Q4_1: sum_j (dw q_j + m) (d xq_j) ~= dw d (q . xq) + m s
  *   Q8_0: sum_j (dw q_j) (d xq_j)     ~= dw d (q . xq)
  * with the integer dots exact. The error is x's rounding only (relative 1/254 of the block's
- * largest activation at worst, per element); tests/test_quality_quant.py measures what it costs.
+ * largest activation at worst, per element); tests/engine/model/test_quality_quant.py measures what it costs.
  *
  * Q4_1 runs two blocks a step (pair_q4_1_a8, x stored in the order it reads them): one load and
  * one vpmaddwd/conversion/fma for two blocks. At one row of x, SmolLM2's layer matrices in cache

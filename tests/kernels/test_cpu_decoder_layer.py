@@ -1,0 +1,175 @@
+"""The fused decoder layer (``kernels/cpu/decoder_layer.c``) against the per-op path it replaces.
+
+A decode pass over a layer whose projections are GGUF blocks runs as one C call; the per-op path
+(``llama.LlamaDecoderLayer``'s torch code, each op a C call) is the reference. Both must write
+the same K and V into the cache and give the same hidden states: bit for bit in bf16 and to an
+ulp of SiLU in fp32; a row's result must not depend on the rows batched with it; and every
+pass the fused call cannot take (prefill chunks, dense weights) keeps the per-op path.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GGML
+
+from pdserve import LLM
+from pdserve.engine.model.arch import ModelArchConfig
+from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.gguf_blocks import to_kernel_blocks
+from pdserve.engine.model.llama import LlamaDecoderLayer
+from pdserve.engine.model.quant_linear import QuantLinear
+from pdserve.engine.request import SamplingParams
+from pdserve.kernels import cpu_build, cpu_decoder_layer
+from tests.helpers.decoder_layer import (
+    CONFIG,
+    decode_inputs,
+    per_op,
+    quantized_layer,
+)
+
+pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ggml_type", [GGML.Q4_1, GGML.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-bias"])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+def test_the_fused_layer_computes_what_the_per_op_path_does(dtype, ggml_type, rows, bias, int8_activations):
+    layer = quantized_layer(dtype, ggml_type, bias, int8_activations=int8_activations)
+    hidden, cos, sin_signed, cache, meta = decode_inputs(rows, dtype)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        assert layer.fused() is not None
+        assert layer.fused().args.int8_activations == int8_activations
+        assert cpu_decoder_layer.serves(layer.fused(), hidden, cos, cache[:, 1], meta, max_rows=16)
+        got = layer(hidden, cos, sin_signed, cache[:, 1], meta)
+        want = per_op(layer, hidden, cos, sin_signed, reference_cache[:, 1], meta)
+    assert torch.equal(cache, reference_cache)  # the same K and V in the same slots, nothing else
+    assert not torch.equal(hidden, got)  # the input is left as it was, the output is new
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # SiLU's exp is the C library's here and torch's vectorised one there
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+@pytest.mark.parametrize("runs", [[(0, 2)], [(0, 1), (1, 2)]], ids=["one-call", "call-a-layer"])
+def test_a_fused_pass_runs_layers_as_one_call_each_over_its_own_cache_layer(dtype, int8_activations, runs):
+    """``FusedPass.run`` over both layers of the cache (in one call, or a call a layer as the
+    engine's input polls split a pass): the same hidden states and K/V as the layers one by one,
+    each layer writing only its own part of the cache."""
+    layers = [
+        quantized_layer(dtype, GGML.Q4_1, bias=False, seed=seed, int8_activations=int8_activations)
+        for seed in (3, 4)
+    ]
+    hidden, cos, sin_signed, cache, meta = decode_inputs(3, dtype)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        prepared = cpu_decoder_layer.PreparedLayers([layer.fused() for layer in layers])
+        fused = cpu_decoder_layer.FusedPass(prepared, cos, sin_signed, cache, meta)
+        got = hidden
+        for first, last in runs:
+            got = fused.run(first, last, got)
+        want = hidden
+        for index, layer in enumerate(layers):
+            want = cpu_decoder_layer.decoder_layer(
+                layer.fused(), want, cos, sin_signed, reference_cache[:, index], meta
+            )
+    assert torch.equal(got, want)
+    assert torch.equal(cache, reference_cache)
+    assert not torch.equal(cache[:, 0], decode_inputs(3, dtype)[3][:, 0])  # both layers wrote their K/V
+    assert not torch.equal(cache[:, 1], decode_inputs(3, dtype)[3][:, 1])
+    with pytest.raises(ValueError, match="layers 1..3 of 2"):
+        fused.run(1, 3, hidden)
+
+
+def test_layers_of_different_shapes_do_not_fuse_into_one_run():
+    wide = ModelArchConfig(**{**CONFIG.to_dict(), "intermediate_size": 512})
+    narrow_layer = quantized_layer(torch.float32, GGML.Q4_1, bias=False)
+    wide_layer = LlamaDecoderLayer(wide)
+    for owner, name in ((wide_layer.self_attn, "qkv_proj"), (wide_layer.self_attn, "o_proj"),
+                        (wide_layer.mlp, "gate_up_proj"), (wide_layer.mlp, "down_proj")):  # fmt: skip
+        dense = getattr(owner, name)
+        out_features, in_features = dense.weight.shape
+        raw = gguf.quants.quantize(np.zeros((out_features, in_features), np.float32), GGML.Q8_0)
+        setattr(
+            owner,
+            name,
+            QuantLinear(*to_kernel_blocks(GGML.Q8_0, raw, out_features, in_features), in_features),
+        )
+    with pytest.raises(ValueError, match="share their shapes"):
+        cpu_decoder_layer.PreparedLayers([narrow_layer.fused(), wide_layer.fused()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+def test_a_rows_result_does_not_depend_on_its_batch(dtype, int8_activations):
+    layer = quantized_layer(dtype, GGML.Q4_1, bias=False, int8_activations=int8_activations)
+    hidden, cos, sin_signed, cache, meta = decode_inputs(5, dtype)
+    with torch.inference_mode():
+        together = layer(hidden, cos, sin_signed, cache.clone()[:, 1], meta)
+        for i in range(5):
+            alone_meta = AttentionMetadata(
+                slot_mapping=meta.slot_mapping[i : i + 1],
+                num_decode_tokens=1,
+                decode_block_tables=meta.decode_block_tables[i : i + 1],
+                decode_seq_lens=meta.decode_seq_lens[i : i + 1],
+                prefill_block_tables=meta.prefill_block_tables,
+                prefill_query_start_loc=meta.prefill_query_start_loc,
+                prefill_seq_lens=meta.prefill_seq_lens,
+            )
+            alone = layer(
+                hidden[i : i + 1], cos[i : i + 1], sin_signed[i : i + 1], cache.clone()[:, 1], alone_meta
+            )
+            assert torch.equal(alone[0], together[i])
+
+
+def test_passes_the_fused_layer_cannot_take_keep_the_per_op_path():
+    layer = quantized_layer(torch.float32, GGML.Q4_1, bias=False)
+    hidden, cos, _, cache, meta = decode_inputs(2, torch.float32)
+    fused = layer.fused()
+    assert fused is not None
+    prefill_meta = AttentionMetadata(
+        **{**meta.__dict__, "num_decode_tokens": 1}
+    )  # one decode, one chunk token
+    assert not cpu_decoder_layer.serves(fused, hidden, cos, cache[:, 1], prefill_meta, max_rows=16)
+    assert not cpu_decoder_layer.serves(fused, hidden, cos, cache[:, 1], meta, max_rows=1)  # too many rows
+    assert not cpu_decoder_layer.serves(fused, hidden.bfloat16(), cos, cache[:, 1], meta, max_rows=16)
+    dense = LlamaDecoderLayer(CONFIG)  # nn.Linear projections: nothing for the C kernel to read
+    assert dense.fused() is None
+    mixed = quantized_layer(torch.float32, GGML.Q4_1, bias=False)
+    mixed.mlp.down_proj.int8_activations = True  # one projection's x in int8, the others' not
+    assert mixed.fused() is None
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8-a8"])
+def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monkeypatch, quantization):
+    """End to end: greedy tokens of an int8 engine (decodes of one and of three sequences) are
+    the same with the fused layer and without it, with activations in fp32 or in int8."""
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 12, 10, 9]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    layer_counts = []
+
+    def tokens() -> list[list[int]]:
+        llm = LLM(tiny_model_dir, quantization=quantization, num_blocks=64)
+        layer_counts.append(llm.engine.runner.num_layers)
+        return [out.token_ids for out in llm.generate(prompts, params)] + [
+            llm.generate([prompts[0]], params)[0].token_ids
+        ]
+
+    calls = []
+    real = cpu_decoder_layer.FusedPass.run
+    monkeypatch.setattr(
+        cpu_decoder_layer.FusedPass, "run", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k)
+    )
+    fused_tokens = tokens()
+    assert calls, "the int8 engine's decode steps never took the fused layers"
+    assert set(calls) == {(0, layer_counts[0])}, "without a poll hook, a step's layers are one call"
+    monkeypatch.setattr(cpu_decoder_layer, "serves", lambda *a, **k: False)
+    assert fused_tokens == tokens()

@@ -1,0 +1,94 @@
+"""Conditional disaggregation by load (``--max-prefill-queue``): while every prefill engine has
+that many prompts in its prefill stage, a decode engine that is prefilling nothing itself takes
+the next prompt whole, and the answer is the one the disaggregated path gives.
+
+Real processes (``LocalCluster``, the tiny model). The prefill engine is stopped (SIGSTOP) so
+that its queue is known, not raced: one prompt sits in it, the next goes to decode; a prompt
+longer than ``--max-local-prefill-tokens`` waits for the prefill engine all the same.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pdserve.client import Client
+from pdserve.cluster import LocalCluster
+from pdserve.engine.request import SamplingParams
+from tests.helpers.cluster import TINY_ENGINE_ARGS, frozen, is_idle, wait_idle
+from tests.helpers.text_corpus import long_text, prompts_of_lengths
+
+MAX_TOKENS = 8
+MAX_LOCAL_PREFILL_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    router_args = ["--max-prefill-queue", "1", "--max-local-prefill-tokens", str(MAX_LOCAL_PREFILL_TOKENS)]
+    with LocalCluster(1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS, router_args=router_args) as c:
+        yield c
+
+
+def _routed(cluster: LocalCluster) -> dict[str, float]:
+    """The router's ``pdserve_router_routed_total`` by path."""
+    with urllib.request.urlopen(
+        f"http://{cluster.procs['router'].metrics_address}/metrics", timeout=10
+    ) as reply:
+        text = reply.read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_router_routed_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            counts[path] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_backlogged_prefill_engine_hands_the_next_prompt_to_decode(cluster, tiny_llm):
+    first, second, too_long = prompts_of_lengths(
+        tiny_llm.tokenizer, [120, 130, MAX_LOCAL_PREFILL_TOKENS + 50]
+    )
+    expected = [
+        c.token_ids
+        for c in tiny_llm.generate(
+            [first, second, too_long], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+    ]
+    before = _routed(cluster)
+    with Client(cluster.router_address) as client, ThreadPoolExecutor(3) as pool:
+
+        def generate(prompt: list[int]):
+            return client.generate(
+                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0
+            )
+
+        with frozen(cluster.procs["prefill-0"].pid):
+            queued = pool.submit(generate, first)  # the prefill engine's one prompt: it cannot answer
+            time.sleep(1.0)  # the router has sent it (the engine is stopped: nothing to poll)
+            handed = pool.submit(generate, second).result(timeout=60.0)  # done while prefill is stopped
+            waiting = pool.submit(generate, too_long)  # too long for decode: waits for prefill
+            time.sleep(0.5)
+            assert not waiting.done()
+        completions = [queued.result(timeout=60.0), handed, waiting.result(timeout=60.0)]
+        assert [c.token_ids for c in completions] == expected
+        assert completions[0].metrics["prefill_engine"] == cluster.prefill_addresses[0]
+        assert completions[1].metrics["prefill_engine"] == ""  # prefilled on decode
+        assert completions[1].metrics["decode_engine"] == cluster.decode_addresses[0]
+        assert completions[2].metrics["prefill_engine"] == cluster.prefill_addresses[0]
+        stats = wait_idle(client)
+        assert stats and all(is_idle(s) for s in stats), stats
+    after = _routed(cluster)
+    assert after.get("backlog_colocated", 0) - before.get("backlog_colocated", 0) == 1
+    assert after.get("disaggregated", 0) - before.get("disaggregated", 0) == 2
+
+
+def test_without_a_backlog_prompts_go_through_prefill(cluster, tiny_llm):
+    # Unlike prompts_of_lengths' (the other test's), no prefix any engine has cached: a cached
+    # one would be short enough to go to decode anyway.
+    prompts = [tiny_llm.tokenizer.encode(f"Part {k}: " + long_text(900, start=7 + k))[:150] for k in range(3)]
+    with Client(cluster.router_address) as client:
+        for prompt in prompts:  # one at a time: the prefill engine's queue is never 1 on arrival
+            completion = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+            assert completion.metrics["prefill_engine"] == cluster.prefill_addresses[0]
