@@ -159,7 +159,8 @@ def _kernel_runs(
     Inputs live in one full-size cache (all layers) and attention reads a layer view of it, as
     the runner does; block tables are a random permutation, as after a while of serving.
     """
-    from pdserve.kernels import reference, triton_ops
+    from pdserve.kernels import reference
+    from pdserve.kernels.triton import ops as triton_ops
 
     dtype = getattr(torch, model.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -26,7 +26,7 @@ from pdserve.engine.model.linear import pack_linear_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.sampler import SamplingState, sample
-from pdserve.kernels.cpu_decoder_layer import FusedPass
+from pdserve.kernels.cpu.decoder_layer import FusedPass
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Paged-KV-cache kernels behind one dispatcher.
 
 Every op has a torch reference (``reference.py``, what CPU runs) and a Triton kernel
-(``triton_ops.py``, what CUDA runs); decode attention also has a C kernel for the CPU
-(``cpu_attention.py``), and so has a bf16 prefill chunk's attention to itself
-(``cpu_causal_attention.py``), and so do the layer's RMSNorm, RoPE and KV write (``cpu_layer_ops.py``,
-called by the model). The runner only calls the functions below, which pick the
+(``triton/ops.py``, what CUDA runs); decode attention also has a C kernel for the CPU
+(``cpu/paged_attention.py``), and so has a bf16 prefill chunk's attention to itself
+(``cpu/causal_attention.py``), and so do the layer's RMSNorm, RoPE and KV write
+(``cpu/layer_ops.py``, called by the model). The runner only calls the functions below, which pick the
 implementation from the tensors' device. ``PDSERVE_KERNELS=triton`` forces Triton (used with
 ``TRITON_INTERPRET=1`` to run the Triton path on CPU in tests); ``PDSERVE_KERNELS=torch``
 forces the reference.
@@ -17,7 +17,9 @@ from types import ModuleType
 
 import torch
 
-from pdserve.kernels import cpu_attention, cpu_causal_attention, reference
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import causal_attention as cpu_causal_attention
+from pdserve.kernels.cpu import paged_attention as cpu_attention
 
 _BACKEND_ENV = "PDSERVE_KERNELS"
 
@@ -39,9 +41,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def _triton() -> ModuleType:
-    from pdserve.kernels import triton_ops  # imported lazily: triton is optional on CPU
+    from pdserve.kernels.triton import ops  # imported lazily: triton is optional on CPU
 
-    return triton_ops
+    return ops
 
 
 def reshape_and_cache(

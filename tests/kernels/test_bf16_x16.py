@@ -1,4 +1,4 @@
-"""Weight blocks interleaved 16 rows at a time against bf16 activations (``kernels/cpu/bf16_x16.c``).
+"""Weight blocks interleaved 16 rows at a time against bf16 activations (``kernels/cpu/csrc/bf16_x16.c``).
 
 A bf16 ``gguf`` model holds its Q4_1 projections and its Q8_0 LM head so where the CPU has
 AVX512-BF16. The kernel must compute what the dequantize-then-matmul reference does to the
@@ -17,8 +17,10 @@ from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.quant_linear import QuantEmbedding, QuantLinear, install_blocks
-from pdserve.kernels import cpu_build, cpu_decoder_layer, cpu_quant
-from pdserve.kernels.cpu_quant import BlockKind
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
+from pdserve.kernels.cpu import quant as cpu_quant
+from pdserve.kernels.cpu.quant import BlockKind
 from tests.helpers.decoder_layer import decode_inputs, per_op, quantized_layer
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")

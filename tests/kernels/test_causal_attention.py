@@ -1,4 +1,4 @@
-"""The bf16 prefill attention of a chunk with no cached prefix (``kernels/cpu/causal_attention.c``).
+"""The bf16 prefill attention of a chunk with no cached prefix (``kernels/cpu/csrc/causal_attention.c``).
 
 It must give what SDPA gives (``reference.causal_self_attention_ref``) to a rounding of the bf16
 output, and its error against an fp32 computation must be no larger than SDPA's own: for every
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.kernels import cpu_build, cpu_causal_attention, reference
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import causal_attention as cpu_causal_attention
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
 runs_here = pytest.mark.skipif(not cpu_causal_attention._runs_here(64), reason="the kernel needs AVX512-BF16")

@@ -1,4 +1,4 @@
-"""The C decode attention (``kernels/cpu/paged_attention.c``) against the torch reference.
+"""The C decode attention (``kernels/cpu/csrc/paged_attention.c``) against the torch reference.
 
 Same inputs, same attention: fp32 to float rounding, bf16 to one rounding of the output. Shapes
 cover what the kernel branches on: head_dim a multiple of 16 (the AVX-512 path), of 8 (the AVX2
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.kernels import cpu_attention, cpu_build, reference
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import paged_attention as cpu_attention
 
 # Only a missing compiler skips: a source that fails to build must fail here, not fall back quietly.
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler here")

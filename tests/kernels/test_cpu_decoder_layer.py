@@ -1,4 +1,4 @@
-"""The fused decoder layer (``kernels/cpu/decoder_layer.c``) against the per-op path it replaces.
+"""The fused decoder layer (``kernels/cpu/csrc/decoder_layer.c``) against the per-op path it replaces.
 
 A decode pass over a layer whose projections are GGUF blocks runs as one C call; the per-op path
 (``llama.LlamaDecoderLayer``'s torch code, each op a C call) is the reference. Both must write
@@ -22,7 +22,8 @@ from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.llama import LlamaDecoderLayer
 from pdserve.engine.model.quant_linear import QuantLinear
 from pdserve.engine.request import SamplingParams
-from pdserve.kernels import cpu_build, cpu_decoder_layer
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
 from tests.helpers.decoder_layer import (
     CONFIG,
     decode_inputs,

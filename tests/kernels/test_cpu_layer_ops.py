@@ -1,4 +1,4 @@
-"""The C layer ops (``kernels/cpu/layer_ops.c``) against the torch ops they replace in the model.
+"""The C layer ops (``kernels/cpu/csrc/layer_ops.c``) against the torch ops they replace in the model.
 
 RoPE, the KV write and bf16 RMSNorm must be bit-identical to the torch path (``llama.apply_rope``,
 ``reference.reshape_and_cache_ref``, ``llama.RMSNorm``'s torch branch); fp32 RMSNorm may differ by
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from pdserve.engine.model.llama import RMSNorm, apply_rope
-from pdserve.kernels import cpu_build, cpu_layer_ops, reference
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler here")
 

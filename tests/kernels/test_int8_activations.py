@@ -1,4 +1,4 @@
-"""The int8-activation matmuls (``--quantization gguf-a8 / int8-a8``, ``kernels/cpu/int8_activations.c``).
+"""The int8-activation matmuls (``--quantization gguf-a8 / int8-a8``, ``kernels/cpu/csrc/int8_activations.c``).
 
 They quantize x per block of 32 (llama.cpp's Q8_1, scales in fp32) and take integer dots with
 the weights' blocks. The float64 reference (``cpu_quant.quant_matmul_a8_ref``) computes the same
@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear, use_int8_activations
-from pdserve.kernels import cpu_build, cpu_quant
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import quant as cpu_quant
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
 

@@ -1,4 +1,4 @@
-"""Weights interleaved 16 rows at a time for the int8-activation kernel (``kernels/cpu/int8_x16.c``).
+"""Weights interleaved 16 rows at a time for the int8-activation kernel (``kernels/cpu/csrc/int8_x16.c``).
 
 ``--quantization gguf-a8 / int8-a8`` holds its projections so on CPUs with AVX512-VNNI. The
 layout moves the blocks' own bytes (undone exactly by ``deinterleave_rows``), the kernel computes
@@ -23,8 +23,9 @@ from pdserve.engine.model.quant_linear import (
     use_int8_activations,
     weight_bytes,
 )
-from pdserve.kernels import cpu_build, cpu_quant
-from pdserve.kernels.cpu_quant import BlockKind
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import quant as cpu_quant
+from pdserve.kernels.cpu.quant import BlockKind
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
 

@@ -1,7 +1,7 @@
 """The runner on the Triton kernels (CPU interpreter) generates what it does on the references.
 
 Each path runs in its own subprocess: ``PDSERVE_KERNELS=triton`` with ``TRITON_INTERPRET=1``
-sends every cache write and attention call of the model through ``pdserve.kernels.triton_ops``,
+sends every cache write and attention call of the model through ``pdserve.kernels.triton.ops``,
 ``PDSERVE_KERNELS=torch`` through the torch references. The subprocess also counts the calls
 that reached the Triton wrappers, so a runner that bypassed the dispatcher cannot pass by
 comparing the reference with itself.
@@ -24,7 +24,7 @@ from tests.helpers.paths import REPO_ROOT
 # Prints {"token_ids": [[...], ...], "triton_calls": {op: count}} for the model in argv[1].
 _GENERATE = """
 import collections, json, sys
-from pdserve.kernels import triton_ops
+from pdserve.kernels.triton import ops as triton_ops
 calls = collections.Counter()
 def counted(name, fn):
     def wrapper(*args, **kwargs):

@@ -1,7 +1,7 @@
 """The Triton kernels against float64 torch references, run in Triton's CPU interpreter.
 
 Why subprocesses: Triton decides at ``@triton.jit`` time whether a kernel is interpreted
-(``TRITON_INTERPRET=1``) or compiled, so the mode must be set before ``pdserve.kernels.triton_ops``
+(``TRITON_INTERPRET=1``) or compiled, so the mode must be set before ``pdserve.kernels.triton.ops``
 is imported and would then stick for the whole pytest session, on a GPU machine too. Instead,
 one module-scoped fixture runs this file as a script in worker processes, two interpreting the
 kernels (in parallel: the interpreter is single-threaded) and one compiling them for a real GPU
@@ -157,7 +157,9 @@ def _paged_context(
 
 
 def _run_attention(case: tuple, gen: torch.Generator) -> float:
-    from pdserve.kernels import reference, triton_attention, triton_ops
+    from pdserve.kernels import reference
+    from pdserve.kernels.triton import attention as triton_attention
+    from pdserve.kernels.triton import ops as triton_ops
 
     kind, dtype_name, head_dim, group, num_kv_heads, block_size = case
     dtype = getattr(torch, dtype_name)
@@ -195,7 +197,8 @@ def _run_attention(case: tuple, gen: torch.Generator) -> float:
 
 def _run_cache(case: tuple, gen: torch.Generator) -> float:
     """Written slots must match the reference; every other element must keep its old bits."""
-    from pdserve.kernels import reference, triton_ops
+    from pdserve.kernels import reference
+    from pdserve.kernels.triton import ops as triton_ops
 
     key_dtype_name, cache_dtype_name, head_dim, num_kv_heads, block_size = case
     key_dtype, cache_dtype = getattr(torch, key_dtype_name), getattr(torch, cache_dtype_name)
@@ -224,7 +227,8 @@ def _run_cache(case: tuple, gen: torch.Generator) -> float:
 
 def _run_blocks(case: tuple, gen: torch.Generator) -> float:
     """Gather into a NaN-poisoned buffer (and a fresh one), scatter into a cache: all exact."""
-    from pdserve.kernels import reference, triton_ops
+    from pdserve.kernels import reference
+    from pdserve.kernels.triton import ops as triton_ops
 
     dtype_name, num_layers, block_size, num_kv_heads, head_dim = case
     dtype = getattr(torch, dtype_name)
@@ -254,13 +258,13 @@ def _compile_sm80(case: tuple) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pdserve.kernels.triton_attention import (
+    from pdserve.kernels.triton.attention import (
         _combine_partitions_kernel,
         _paged_attention_kernel,
         attention_constexprs,
     )
-    from pdserve.kernels.triton_blocks import _copy_blocks_kernel
-    from pdserve.kernels.triton_cache import _reshape_and_cache_kernel
+    from pdserve.kernels.triton.blocks import _copy_blocks_kernel
+    from pdserve.kernels.triton.cache import _reshape_and_cache_kernel
 
     kind, dtype_name, head_dim, group = case
     ptr = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype_name]

@@ -20,8 +20,9 @@ from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import quantize_q8_0, to_kernel_blocks
 from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
-from pdserve.kernels import cpu_build, cpu_quant
-from pdserve.kernels.cpu_quant import BlockKind
+from pdserve.kernels.cpu import build as cpu_build
+from pdserve.kernels.cpu import quant as cpu_quant
+from pdserve.kernels.cpu.quant import BlockKind
 
 # Only a missing compiler skips: a source that fails to build must fail here, not fall back quietly.
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")

@@ -1,6 +1,6 @@
 """GGUF's quantized tensors as the blocks the CPU kernels read, without dequantizing them.
 
-The kernels (``pdserve.kernels.cpu_quant``) take two layouts, GGUF's own bytes:
+The kernels (``pdserve.kernels.cpu.quant``) take two layouts, GGUF's own bytes:
 
 * ``Q8_0`` is kept as it is: ``d * q`` per 32 weights.
 * ``Q4_1`` is kept as it is, ``d * q + m`` per 32 weights, each row's bytes regrouped (all
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind, q4_1_rows_from_blocks
+from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind, q4_1_rows_from_blocks
 
 _Q4_0_BYTES = 18
 _Q4_K_BYTES = 144  # per 256 weights

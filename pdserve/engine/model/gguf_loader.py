@@ -25,7 +25,7 @@ from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
 from pdserve.engine.model.gguf_file import GGUFFile, GGUFTensor
 from pdserve.engine.model.llama import FUSED_PROJECTIONS, hf_to_model_state_dict
-from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind, dequantize_ref
+from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind, dequantize_ref
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.linear import lm_head_logits
 from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear, install_blocks
-from pdserve.kernels import cpu_decoder_layer, cpu_layer_ops
-from pdserve.kernels.cpu_quant import BlockKind
+from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
+from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
+from pdserve.kernels.cpu.quant import BlockKind
 
 
 def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:

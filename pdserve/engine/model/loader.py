@@ -25,7 +25,7 @@ from pdserve.engine.model.quant_linear import (
     weight_bytes,
 )
 from pdserve.engine.model.tokenizer import Tokenizer
-from pdserve.kernels import cpu_quant
+from pdserve.kernels.cpu import quant as cpu_quant
 
 logger = logging.getLogger(__name__)
 

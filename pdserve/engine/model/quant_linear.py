@@ -2,7 +2,7 @@
 
 A decode step at small batch reads every weight once, so its time is the weights' bytes over
 the memory bandwidth. Kept as GGUF blocks, SmolLM2-135M's layers stream 5 bits a weight (Q4_1)
-instead of bf16's 16. The modules here hold the blocks (``pdserve.kernels.cpu_quant``) and
+instead of bf16's 16. The modules here hold the blocks (``pdserve.kernels.cpu.quant``) and
 leave activations in the model's dtype:
 
 * up to ``KERNEL_MAX_ROWS`` rows (decode batches) the C kernel decodes blocks in registers;
@@ -11,8 +11,8 @@ leave activations in the model's dtype:
 
 ``--quantization gguf-a8 / int8-a8`` (``use_int8_activations``) opts in to one more rounding:
 the kernel's x quantized to int8 per block of 32, as llama.cpp does, whose integer dots need a
-fraction of the fp32 arithmetic (``kernels/cpu/int8_activations.c``). Where the CPU has
-AVX512-VNNI the weights are interleaved (``kernels/cpu/int8_x16.c``) and prefill chunks run that
+fraction of the fp32 arithmetic (``kernels/cpu/csrc/int8_activations.c``). Where the CPU has
+AVX512-VNNI the weights are interleaved (``kernels/cpu/csrc/int8_x16.c``) and prefill chunks run that
 kernel too, as llama.cpp's prompt processing does: one vpdpbusd is 64 multiply-adds where
 vdpbf16ps is 32, so SmolLM2-135M's layers took 90 ms of a 256-token prompt instead of 125
 (decode + bf16 GEMM, one Zen 5 core). Elsewhere prefill chunks decode the blocks as above. What
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.model.gguf_blocks import quantize_q8_0
-from pdserve.kernels import cpu_quant
-from pdserve.kernels.cpu_quant import BLOCK_SIZE, BlockKind
+from pdserve.kernels.cpu import quant as cpu_quant
+from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind
 from pdserve.kernels.scratch import scratch
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def install_blocks(
     elif model.lm_head is None and isinstance(embed, QuantEmbedding):
         model.quant_lm_head = embed.as_linear()
     if dtype == torch.bfloat16 and cpu_quant.bf16_x16_route():
-        # bf16 decode matmuls and LM head over blocks interleaved by 16 rows (kernels/cpu/bf16_x16.c)
+        # bf16 decode matmuls and LM head over blocks interleaved by 16 rows (kernels/cpu/csrc/bf16_x16.c)
         _interleave(model, [m for m in model.modules() if isinstance(m, QuantLinear)])
 
 

@@ -94,8 +94,8 @@ def test_greedy_tokens_through_grpc_and_http_equal_the_colocated_llm(cluster: Co
 def test_the_engines_build_and_load_their_c_kernels_on_a_read_only_root(cluster: ComposeCluster):
     """The kernels' C sources ship in the image and compile into /tmp (the tmpfs) as the user."""
     probe = (
-        "from pdserve.kernels import cpu_attention, cpu_layer_ops, cpu_quant; "
-        "print(cpu_attention.KERNELS.available(), cpu_quant.available(), cpu_layer_ops.KERNELS.available())"
+        "from pdserve.kernels.cpu import layer_ops, paged_attention, quant; "
+        "print(paged_attention.KERNELS.available(), quant.available(), layer_ops.KERNELS.available())"
     )
     for service in ENGINES[:1] + ["router"]:
         checked = podman("exec", cluster.container(service), "python", "-c", probe, timeout=180)

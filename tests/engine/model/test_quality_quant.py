@@ -35,7 +35,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS
-from pdserve.kernels import cpu_quant
+from pdserve.kernels.cpu import quant as cpu_quant
 from tests.helpers import quality
 from tests.helpers.bundled_quality import (
     MIN_FRACTION_FIRST_4,

@@ -23,7 +23,7 @@ from pdserve.engine.model.gguf_file import GGUFFile
 from pdserve.engine.model.loader import bundled_model_path, load_model
 from pdserve.engine.model.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.engine.request import SamplingParams
-from pdserve.kernels import cpu_quant
+from pdserve.kernels.cpu import quant as cpu_quant
 from tests.helpers.model_steps import prefill_logits
 from tests.helpers.pd import engine_config, pd_generate, wait_idle
 

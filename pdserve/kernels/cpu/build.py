@@ -25,7 +25,7 @@ from pdserve.engine.cpu_resources import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = Path(__file__).parent / "cpu"
+SOURCES = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 LIBS = ["-lm"]
 

@@ -16,7 +16,7 @@
  * reduction, whose lanes depend on the CPU, vs 8 lanes here): the scale may differ by a
  * rounding. In bf16 the norm is bit-identical (its rounding to bf16 absorbs that).
  *
- * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu_build.py).
+ * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu/build.py).
  */
 #include <math.h>
 #include <stdint.h>

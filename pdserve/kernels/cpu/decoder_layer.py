@@ -1,4 +1,4 @@
-"""A decoder layer over GGUF-block weights as one C call for decode batches (``kernels/cpu/decoder_layer.c``).
+"""A decoder layer over GGUF-block weights as one C call for decode batches (``kernels/cpu/csrc/decoder_layer.c``).
 
 At one sequence the per-op path (``llama.LlamaDecoderLayer``: each op already one C call) spent
 a third of a SmolLM2-135M decode step in the Python around those calls. The model asks
@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.kernels import cpu_attention, cpu_layer_ops
-from pdserve.kernels.cpu_build import CLibrary
-from pdserve.kernels.cpu_quant import BlockKind
+from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
+from pdserve.kernels.cpu import paged_attention as cpu_attention
+from pdserve.kernels.cpu.build import CLibrary
+from pdserve.kernels.cpu.quant import BlockKind
 
 if TYPE_CHECKING:
     from pdserve.engine.model.attention import AttentionMetadata

@@ -1,7 +1,7 @@
 /*
  * GGUF's weight blocks as the CPU kernels hold them (the layouts are described in
  * quant_matmul.c's header), and fp16 -> fp32 for their scales. Included by each C source that
- * reads blocks; the build's cache key covers this header too (pdserve/kernels/cpu_build.py).
+ * reads blocks; the build's cache key covers this header too (pdserve/kernels/cpu/build.py).
  */
 #ifndef PDSERVE_BLOCKS_H
 #define PDSERVE_BLOCKS_H
@@ -15,7 +15,7 @@
 #define Q4_1_BYTES 20  /* fp16 d, fp16 m, 16 bytes of nibbles */
 #define Q8_0_BYTES 34  /* fp16 d, 32 int8 */
 
-/* The kinds of block rows (pdserve/kernels/cpu_quant.py's BlockKind): Q4_1 and Q8_0 as
+/* The kinds of block rows (pdserve/kernels/cpu/quant.py's BlockKind): Q4_1 and Q8_0 as
  * quant_matmul.c's header lays them out, and the same blocks interleaved 16 rows at a time for
  * the int8-activation kernels of int8_x16.c (its header has the layout). */
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_1_X16 = 2, KIND_Q8_0_X16 = 3 };

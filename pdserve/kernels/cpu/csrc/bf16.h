@@ -1,7 +1,7 @@
 /*
  * bf16 <-> fp32 for the CPU kernels, element access to arrays of either, and (AVX-512) their
  * 16-wide loads, stores and broadcasts (included by each C source beside it; the build's cache
- * key covers this header too, pdserve/kernels/cpu_build.py).
+ * key covers this header too, pdserve/kernels/cpu/build.py).
  */
 #ifndef PDSERVE_BF16_H
 #define PDSERVE_BF16_H

@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE and the KV write as one C call each on the CPU (``kernels/cpu/layer_ops.c``).
+"""RMSNorm, RoPE and the KV write as one C call each on the CPU (``kernels/cpu/csrc/layer_ops.c``).
 
 A decode step of SmolLM2-135M at one sequence runs 61 RMSNorms and 30 RoPE + KV writes on
 tensors of a few hundred values, where each torch op costs its dispatch, not its arithmetic:
@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from pdserve import kernels
-from pdserve.kernels.cpu_build import CLibrary
+from pdserve.kernels.cpu.build import CLibrary
 
 MAX_DIM = 16384  # the C side's MAX_DIM: a hidden size or head_dim it takes
 

@@ -28,7 +28,7 @@
  *
  * A row's sum runs the same way whatever M is (one chain of fmas a block; Q4_1's minima into
  * it 8 blocks at a time), so a request's logits do not depend on what it is batched with.
- * Built into the quantized-matmul library (pdserve/kernels/cpu_quant.py) at first use with
+ * Built into the quantized-matmul library (pdserve/kernels/cpu/quant.py) at first use with
  * -march=native; CPUs without AVX2 run the plain C loop at the end.
  */
 #include <math.h>

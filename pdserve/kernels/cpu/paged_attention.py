@@ -1,4 +1,4 @@
-"""Decode attention read straight from the paged KV cache on the CPU (``kernels/cpu/paged_attention.c``).
+"""Decode attention read straight from the paged KV cache on the CPU (``kernels/cpu/csrc/paged_attention.c``).
 
 The torch reference (``reference.paged_attention_decode_ref``) copies every sequence's blocks
 into one contiguous buffer, pads each group of sequences to its longest, and calls SDPA: at a
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from pdserve.kernels.cpu_build import CLibrary
+from pdserve.kernels.cpu.build import CLibrary
 from pdserve.kernels.scratch import scratch
 
 MAX_GROUP = 16  # query heads per KV head (the C side's MAX_GROUP)

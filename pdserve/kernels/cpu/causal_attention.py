@@ -1,4 +1,4 @@
-"""Causal self-attention of a prompt chunk over its own K/V in bf16 on the CPU (``kernels/cpu/causal_attention.c``).
+"""Causal self-attention of a prompt chunk over its own K/V in bf16 on the CPU (``kernels/cpu/csrc/causal_attention.c``).
 
 A prefill chunk with no cached prefix attends to itself only; the reference hands it to torch's
 SDPA (``reference.causal_self_attention_ref``), whose CPU flash kernel ran a 256-token prompt
@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from pdserve.kernels.cpu_build import CLibrary
+from pdserve.kernels.cpu.build import CLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:

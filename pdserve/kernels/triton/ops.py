@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.triton_attention import launch_paged_attention
-from pdserve.kernels.triton_blocks import launch_copy_blocks
-from pdserve.kernels.triton_cache import launch_reshape_and_cache
+from pdserve.kernels.triton.attention import launch_paged_attention
+from pdserve.kernels.triton.blocks import launch_copy_blocks
+from pdserve.kernels.triton.cache import launch_reshape_and_cache
 
 
 def reshape_and_cache(

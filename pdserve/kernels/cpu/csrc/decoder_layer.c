@@ -26,7 +26,7 @@
  *   out    = h' + act @ Wdown^T
  *
  * Built at first use with the host compiler and -march=native together with the sources it
- * calls (pdserve/kernels/cpu_build.py).
+ * calls (pdserve/kernels/cpu/build.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,7 +35,7 @@
 #include "bf16.h"
 #include "kernels.h"
 
-/* One layer's constants, filled once per layer by pdserve/kernels/cpu_decoder_layer.py (whose
+/* One layer's constants, filled once per layer by pdserve/kernels/cpu/decoder_layer.py (whose
  * ctypes Structure mirrors this one field for field). Weights are GGUF block rows (kind: 0
  * Q4_1, 1 Q8_0, as pd_quant_matmul takes them); norms and the bias are in the activations'
  * dtype. int8_activations: the projections quantize their x to int8 (pd_quant_matmul_a8,

@@ -24,7 +24,7 @@
  *
  * Cache layout (pdserve/engine/kv_layout.py): a layer's view [num_blocks, 2 (K, V), block_size,
  * num_kv_heads, head_dim], contiguous within a block. Built at first use with the host compiler
- * and -march=native (pdserve/kernels/cpu_build.py).
+ * and -march=native (pdserve/kernels/cpu/build.py).
  */
 #include <math.h>
 #include <stdint.h>

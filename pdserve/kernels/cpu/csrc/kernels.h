@@ -1,7 +1,7 @@
 /*
  * The exported entry points of the CPU kernels (the .c files beside this one), for a source that calls
  * another's: decoder_layer.c runs a whole decoder layer out of them, linked into one library
- * (pdserve/kernels/cpu_build.py builds a CLibrary from several sources). Each function's
+ * (pdserve/kernels/cpu/build.py builds a CLibrary from several sources). Each function's
  * contract is documented at its definition.
  */
 #ifndef PDSERVE_KERNELS_H

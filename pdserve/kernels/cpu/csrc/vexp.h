@@ -2,7 +2,7 @@
  * exp for softmax, 16 at a time (AVX-512) or 8 (AVX2 + FMA): shared by the decode attention
  * (paged_attention.c) and the prefill one (causal_attention.c). Both widths run the same Cephes
  * expf steps with the constants below. Included by each C source beside it; the build's cache
- * key covers this header too (pdserve/kernels/cpu_build.py).
+ * key covers this header too (pdserve/kernels/cpu/build.py).
  */
 #ifndef PDSERVE_VEXP_H
 #define PDSERVE_VEXP_H

@@ -1,6 +1,6 @@
 /*
  * The int8-activation matmuls over weights interleaved 16 rows at a time (kinds Q4_1_X16 and
- * Q8_0_X16, made at load by pdserve/kernels/cpu_quant.py's interleave_rows for
+ * Q8_0_X16, made at load by pdserve/kernels/cpu/quant.py's interleave_rows for
  * --quantization gguf-a8 / int8-a8 on CPUs with AVX512-VNNI): the arithmetic of
  * int8_activations.c (x quantized per block of 32, y = sum_b dw d (q . xq) + m s), with 16
  * output rows in the 16 int32 lanes of one vector.

@@ -35,7 +35,7 @@
  * scaled by d once per block, and m is applied through x's block sums (sum_j (d q_j + m) x_j =
  * d (q . x) + m sum x): two multiply-adds a weight fewer than decoding d q + m first.
  *
- * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu_quant.py);
+ * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu/quant.py);
  * the AVX-512 or AVX2 path is chosen by the compiler's own feature macros, and plain C runs
  * anywhere else.
  */
