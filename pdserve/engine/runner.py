@@ -22,8 +22,8 @@ import torch
 from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.kv_layout import KVCacheSpec
 from pdserve.engine.model.attention import AttentionMetadata
-from pdserve.engine.model.linear import pack_linear_weights
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.weights import pack_linear_weights
 from pdserve.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.sampler import SamplingState, sample
 from pdserve.kernels.cpu.decoder_layer import FusedPass

@@ -24,7 +24,7 @@ from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
 from pdserve.engine.model.gguf_file import GGUFFile, GGUFTensor
-from pdserve.engine.model.llama import FUSED_PROJECTIONS, hf_to_model_state_dict
+from pdserve.engine.model.weights import FUSED_PROJECTIONS, hf_to_model_state_dict
 from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind, dequantize_ref
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.llama import hf_to_model_state_dict
+from pdserve.engine.model.weights import hf_to_model_state_dict
 
 
 def read_hf_config(path: str) -> ModelArchConfig:

@@ -11,23 +11,15 @@ accumulation order). fp32 would gain too but rounds differently from MKL's sgemm
 exact-equivalence tests against transformers rely on, so fp32 keeps ``F.linear``.
 
 Only the execution changes: the packed module holds the reordered weight instead of a
-``Parameter``, so pack a model to serve it (``ModelRunner`` does), not one whose state dict
-is still needed.
+``Parameter``, so pack a model to serve it (``ModelRunner`` does, through
+``weights.pack_linear_weights``), not one whose state dict is still needed.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from pdserve.engine.model.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
 
 # The batch size oneDNN may tune the layout for; results are valid (and equal) for any rows.
 PACK_BATCH_HINT = 8
@@ -59,48 +51,33 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class PackedLinear(nn.Module):
     """``nn.Linear``'s forward over a oneDNN-packed weight (no ``weight`` Parameter)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(
+        self,
+        packed_weight: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.packed_weight = pack_weight(linear.weight)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.packed_weight = packed_weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        """The packed version of a dense projection: its weight reordered once, its bias kept."""
+        return cls(pack_weight(linear.weight), linear.in_features, linear.out_features, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed_weight, self.bias)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this layer's weights (the packed one is opaque: no storage to share)."""
+        return [self.packed_weight] if self.bias is None else [self.packed_weight, self.bias]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
-
-
-def pack_linear_weights(model: LlamaForCausalLM) -> int:
-    """Replace every ``nn.Linear`` under ``model.model.layers`` by a ``PackedLinear``, and give
-    the model a packed copy of its LM head (``packed_lm_head``) when ``can_pack`` allows;
-    returns how many projections were packed (0: the model is left as it was).
-
-    The tied embedding table stays as it is for the lookup; the LM head's packed copy costs its
-    bytes once more (56 MB in bf16 for SmolLM2) and saves ~40% of the logits matmul.
-    """
-    dtype = model.dtype
-    if not can_pack(dtype):
-        return 0
-    count = 0
-    for layer in model.model.layers:
-        for parent in layer.children():
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, PackedLinear(child))
-                    count += 1
-    if model.quant_lm_head is None:  # a head held as blocks (--quantization) has its own kernel
-        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        model.packed_lm_head = pack_weight(head.weight)
-    logger.info(
-        "%d projections packed for oneDNN (%s), LM head %s",
-        count,
-        dtype,
-        "as blocks" if model.quant_lm_head is not None else "packed",
-    )
-    return count
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:

@@ -7,7 +7,8 @@ instead of 7: fewer calls and better-shaped ones for skinny decode batches), and
 and writes the paged cache through ``paged_attention``.
 
 Parameter names are HF's except for the two fused projections (``self_attn.qkv_proj``,
-``mlp.gate_up_proj``); ``hf_to_model_state_dict`` / ``model_to_hf_state_dict`` convert.
+``mlp.gate_up_proj``); ``weights.hf_to_model_state_dict`` / ``weights.model_to_hf_state_dict``
+convert, and ``weights.build_model`` builds the model from a state dict.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from torch import nn
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.linear import lm_head_logits
-from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear, install_blocks
+from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
 from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
-from pdserve.kernels.cpu.quant import BlockKind
 
 
 def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
@@ -213,7 +213,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
-        # nn.Embedding's own init on the meta device (build_model) goes through torch._refs and
+        # nn.Embedding's own init on the meta device (weights.build_model) goes through torch._refs and
         # pulls in torch._dynamo: 2.3 s of imports at every model load. The table is made here,
         # initialised as nn.Embedding does only on a real device (the checkpoint fills it anyway).
         table = torch.empty(config.vocab_size, config.hidden_size)
@@ -238,9 +238,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        # The LM head in oneDNN's layout, set by ``linear.pack_linear_weights`` for serving.
+        # The LM head in oneDNN's layout, set by ``weights.pack_linear_weights`` for serving.
         self.packed_lm_head: torch.Tensor | None = None
-        # The LM head as GGUF blocks, set by ``quant_linear.install_blocks`` (--quantization).
+        # The LM head as GGUF blocks, set by ``weights.install_blocks`` (--quantization).
         self.quant_lm_head: QuantLinear | None = None
         self.lm_head = (
             None
@@ -318,117 +318,3 @@ class LlamaForCausalLM(nn.Module):
             return self.quant_lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return lm_head_logits(hidden, weight, self.packed_lm_head).float()
-
-
-# HF parameter suffixes fused into one of ours: {fused suffix: HF suffixes in concatenation order}
-FUSED_PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def hf_to_model_state_dict(
-    hf_state: dict[str, torch.Tensor], config: ModelArchConfig
-) -> dict[str, torch.Tensor]:
-    """HF Llama/Qwen2 parameter names -> this module's (q/k/v and gate/up concatenated).
-
-    Drops what this model has no parameter for: ``lm_head.weight`` of tied checkpoints (some
-    store a copy) and old ``rotary_emb.inv_freq`` buffers.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in hf_state.items():
-        if "rotary_emb.inv_freq" in name or (config.tie_word_embeddings and name == "lm_head.weight"):
-            continue
-        out[name] = tensor
-    for i in range(config.num_layers):
-        prefix = f"model.layers.{i}."
-        for fused, parts in FUSED_PROJECTIONS.items():
-            for kind in ("weight", "bias"):
-                names = [f"{prefix}{part}.{kind}" for part in parts]
-                present = [n in out for n in names]
-                if not any(present):
-                    continue
-                if not all(present):
-                    raise KeyError(f"checkpoint has only some of {names}")
-                out[f"{prefix}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
-    return out
-
-
-def model_to_hf_state_dict(
-    state: dict[str, torch.Tensor], config: ModelArchConfig
-) -> dict[str, torch.Tensor]:
-    """The inverse of ``hf_to_model_state_dict`` (split views, no copies)."""
-    sizes = {
-        "self_attn.qkv_proj": [
-            config.num_heads * config.head_dim,
-            config.num_kv_heads * config.head_dim,
-            config.num_kv_heads * config.head_dim,
-        ],
-        "mlp.gate_up_proj": [config.intermediate_size, config.intermediate_size],
-    }
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        for fused, parts in FUSED_PROJECTIONS.items():
-            if f".{fused}." in name:
-                prefix, kind = name.split(f"{fused}.")
-                for part, piece in zip(parts, torch.split(tensor, sizes[fused], dim=0), strict=True):
-                    out[f"{prefix}{part}.{kind}"] = piece
-                break
-        else:
-            out[name] = tensor
-    return out
-
-
-def build_model(
-    config: ModelArchConfig,
-    state_dict: dict[str, torch.Tensor],
-    dtype: torch.dtype | None = None,
-    blocks: dict[str, tuple[BlockKind, torch.Tensor]] | None = None,
-) -> LlamaForCausalLM:
-    """A ready-to-serve model from its state dict: eval mode, no grads, weights not copied.
-
-    Built on the meta device and filled with ``assign=True``: random-initialising 135M
-    parameters only to overwrite them costs about a second. ``blocks`` (``--quantization``)
-    holds the weights kept as GGUF blocks, by parameter name: their modules are replaced by the
-    quantized versions (``quant_linear.install_blocks``) and never get dense memory; the state
-    dict then holds the rest (norms, biases, types without a kernel).
-    """
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(state_dict, strict=not blocks, assign=True)
-    if blocks:
-        assert dtype is not None, "a block-held embedding decodes to the model's dtype"
-        install_blocks(model, blocks, dtype)
-        tensors = [*model.named_parameters(), *model.named_buffers()]
-        still_meta = [name for name, tensor in tensors if tensor.is_meta]
-        if still_meta:
-            raise KeyError(f"weights missing from the checkpoint: {still_meta[:5]}")
-    if dtype is not None:
-        model.to(dtype)
-    model.eval()
-    model.requires_grad_(False)
-    use_kn_weight_layout(model)
-    return model
-
-
-def use_kn_weight_layout(model: LlamaForCausalLM) -> None:
-    """Store each decoder-layer projection as ``[in, out]`` in memory, seen as ``[out, in]``.
-
-    Same values, same shapes, same state-dict names; only the strides change. With ``x @ W``
-    instead of ``x @ W.T``, MKL's sgemm runs skinny batches (decode: 8-64 rows) 1.2-2x faster
-    when it is compute-bound (measured on SmolLM2's shapes, weights in cache) and large prefill
-    batches at the same speed; when a step is bound by streaming the weights from memory both
-    layouts run alike. The LM head keeps its layout: it is the embedding table when tied, and at
-    49k rows it is memory-bound anyway.
-    """
-    for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)  # a ModuleList yields plain Modules to the type checker
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        ):
-            if not isinstance(linear, nn.Linear):
-                continue  # held as blocks (quant_linear), no dense weight to lay out
-            linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t(), requires_grad=False)

@@ -17,14 +17,15 @@ from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_loader import load_gguf, load_gguf_blocks, open_gguf
 from pdserve.engine.model.hf_loader import load_hf_dir
-from pdserve.engine.model.llama import LlamaForCausalLM, build_model
-from pdserve.engine.model.quant_linear import (
+from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.tokenizer import Tokenizer
+from pdserve.engine.model.weights import (
+    build_model,
     describe_weights,
     quantize_int8,
     use_int8_activations,
     weight_bytes,
 )
-from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.kernels.cpu import quant as cpu_quant
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ import torch
 
 from pdserve.engine.model.gguf_file import GGUFFile
 from pdserve.engine.model.gguf_loader import open_gguf, read_arch_config, unpermute_qk
-from pdserve.engine.model.llama import model_to_hf_state_dict
 from pdserve.engine.model.loader import bundled_model_path, load_model
+from pdserve.engine.model.weights import model_to_hf_state_dict
 from tests.helpers.model_steps import BLOCK_SIZE, assert_logits_close, attn_batch, prefill_logits, run_step
 
 pytestmark = pytest.mark.slow

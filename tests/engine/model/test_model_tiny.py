@@ -15,14 +15,10 @@ import torch
 
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.hf_loader import load_hf_dir
-from pdserve.engine.model.llama import (
-    LlamaForCausalLM,
-    build_model,
-    hf_to_model_state_dict,
-    model_to_hf_state_dict,
-)
+from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.tiny import write_tiny_model
+from pdserve.engine.model.weights import build_model, hf_to_model_state_dict, model_to_hf_state_dict
 from tests.helpers.model_steps import BLOCK_SIZE, assert_logits_close, attn_batch, prefill_logits, run_step
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog sleeps in the warm sun all day."
