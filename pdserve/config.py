@@ -19,7 +19,7 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 HANDOVER_STEPS = ("joined", "separate", "inflight")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # How the weights are held: dense in the dtype, a GGUF file's own quantized blocks, or int8
-# blocks made at load (pdserve.engine.model.quant_linear); "auto" (the default) serves a GGUF
+# blocks made at load (pdserve.engine.model.weights.quantize_int8); "auto" (the default) serves a GGUF
 # file's blocks as they are where the kernels run (pdserve.engine.model.loader.resolve_quantization).
 # The "-a8" modes hold the weights the same way and, opt-in, quantize the activations to int8 per
 # 32 inside the decode matmuls (llama.cpp's Q8_1; pdserve/kernels/cpu/csrc/int8_activations.c).

@@ -36,8 +36,8 @@ from tqdm import tqdm
 from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
 from pdserve.config import QUANTIZATION_CHOICES
 from pdserve.engine.cpu_resources import cpu_flags, has_native_bf16
-from pdserve.engine.model.linear import PackedLinear
-from pdserve.engine.model.quant_linear import QuantLinear
+from pdserve.engine.model.layers.linear import PackedLinear
+from pdserve.engine.model.layers.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from pdserve.engine.model.llama import LlamaForCausalLM
@@ -71,7 +71,7 @@ def _best_of(fn: Callable[[], object], repeats: int) -> float:
 def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes a decode step reads: every layer's projections and norms, the final norm, the LM
     head (the embedding rows it looks up are negligible)."""
-    from pdserve.engine.model.llama import RMSNorm
+    from pdserve.engine.model.layers.norm import RMSNorm
 
     itemsize = model.model.norm.weight.element_size()
 

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.connector.base import KVConnectorBase
 from pdserve.engine.kv_layout import KVCacheSpec
-from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.layers.attention import AttentionMetadata
 from pdserve.engine.model.llama import LlamaForCausalLM
 from pdserve.engine.model.weights import pack_linear_weights
 from pdserve.engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput

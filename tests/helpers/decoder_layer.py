@@ -9,10 +9,10 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
+from pdserve.engine.model.layers.attention import AttentionMetadata
+from pdserve.engine.model.layers.quant_linear import QuantLinear
 from pdserve.engine.model.llama import LlamaDecoderLayer
-from pdserve.engine.model.quant_linear import QuantLinear
 from pdserve.engine.model.weights import use_int8_activations
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS = 16, 24, 2

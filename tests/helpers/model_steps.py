@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.layers.attention import AttentionMetadata
 from pdserve.engine.model.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model.attention import AttentionMetadata
+from pdserve.engine.model.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from pdserve import LLM

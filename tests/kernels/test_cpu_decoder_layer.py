@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType as GGML
 
 from pdserve import LLM
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
+from pdserve.engine.model.layers.attention import AttentionMetadata
+from pdserve.engine.model.layers.quant_linear import QuantLinear
 from pdserve.engine.model.llama import LlamaDecoderLayer
-from pdserve.engine.model.quant_linear import QuantLinear
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer

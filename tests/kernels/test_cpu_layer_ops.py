@@ -1,7 +1,7 @@
 """The C layer ops (``kernels/cpu/csrc/layer_ops.c``) against the torch ops they replace in the model.
 
-RoPE, the KV write and bf16 RMSNorm must be bit-identical to the torch path (``llama.apply_rope``,
-``reference.reshape_and_cache_ref``, ``llama.RMSNorm``'s torch branch); fp32 RMSNorm may differ by
+RoPE, the KV write and bf16 RMSNorm must be bit-identical to the torch path (``rotary.apply_rope``,
+``reference.reshape_and_cache_ref``, ``norm.RMSNorm``'s torch branch); fp32 RMSNorm may differ by
 a rounding of its scale (another order of the sum of squares). SiLU x up uses its own exp, within
 a few fp32 ulps of torch's. The model falls back to torch where the library cannot be had or a
 backend is forced.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.model.llama import RMSNorm, apply_rope
+from pdserve.engine.model.layers.norm import RMSNorm
+from pdserve.engine.model.layers.rotary import apply_rope
 from pdserve.kernels import reference
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import layer_ops as cpu_layer_ops

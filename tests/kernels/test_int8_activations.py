@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
-from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear
+from pdserve.engine.model.layers.quant_linear import KERNEL_MAX_ROWS, QuantLinear
 from pdserve.engine.model.weights import use_int8_activations
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import quant as cpu_quant

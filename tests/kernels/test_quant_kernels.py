@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from pdserve.engine.model.gguf_blocks import quantize_q8_0, to_kernel_blocks
-from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
+from pdserve.engine.model.layers.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import quant as cpu_quant
 from pdserve.kernels.cpu.quant import BlockKind

@@ -13,7 +13,6 @@ convert, and ``weights.build_model`` builds the model from a state dict.
 
 from __future__ import annotations
 
-import math
 from typing import cast
 
 import torch
@@ -21,79 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.model.arch import ModelArchConfig
-from pdserve.engine.model.attention import AttentionMetadata, paged_attention
-from pdserve.engine.model.linear import lm_head_logits
-from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS, QuantLinear
+from pdserve.engine.model.layers.attention import AttentionMetadata, paged_attention
+from pdserve.engine.model.layers.linear import lm_head_logits
+from pdserve.engine.model.layers.norm import RMSNorm
+from pdserve.engine.model.layers.quant_linear import KERNEL_MAX_ROWS, QuantLinear
+from pdserve.engine.model.layers.rotary import apply_rope, rope_tables
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
 from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
-
-
-def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` in float32, computed exactly as transformers does."""
-    dim = config.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponent)
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "freq_factors":  # llama.cpp's rope_freqs.weight (Llama 3.1+ GGUF files)
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise NotImplementedError(
-        f"rope_scaling type {rope_type!r} (supported: default, linear, llama3, freq_factors)"
-    )
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm: normalise in float32, round to the input dtype, then scale."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype and cpu_layer_ops.serves(x):
-            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)[1]  # one C call (layer_ops.c)
-        if x.dtype == torch.float32:
-            # One fused op, bit-identical to the float32 formula below.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Rounding before the scale is what HF does in half precision; keep it to match greedy
-        # output. The fp32 part is the fused op above (one call instead of five per norm).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, self(x + delta))``: a residual add and the norm after it, one C call
-        where ``cpu_layer_ops`` serves (vLLM's fused_add_rms_norm), else the two torch ops."""
-        if x.dtype == delta.dtype == self.weight.dtype and cpu_layer_ops.serves(x):
-            return cpu_layer_ops.rms_norm(x, self.weight, self.eps, delta=delta)
-        summed = x + delta
-        return summed, self(summed)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for ``x: [T, heads, D]`` (a new, contiguous tensor).
-
-    ``sin_signed`` is ``cat(-sin, sin)``, so ``rotate_half(x) * sin == cat(x2, x1) * sin_signed``
-    (negation is exact, so this equals HF's result bit for bit before the fused add).
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class LlamaAttention(nn.Module):
@@ -247,13 +180,10 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        # cos / cat(-sin, sin) per position, computed once on the CPU (explicitly, so a model
-        # built under torch.device("meta") for fast loading still gets real tables).
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("rope_cos", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("rope_sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
+        # cos / cat(-sin, sin) per position, computed once (on the CPU, also under "meta").
+        cos, sin_signed = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
         # Every layer's fused form (``fused_pass``), asked once the weights are in place.
         self._fused_layers: cpu_decoder_layer.PreparedLayers | None = None
         self._fused_layers_asked = False

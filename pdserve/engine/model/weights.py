@@ -23,9 +23,9 @@ from torch import nn
 
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import quantize_q8_0
-from pdserve.engine.model.linear import PackedLinear, can_pack, pack_weight
+from pdserve.engine.model.layers.linear import PackedLinear, can_pack, pack_weight
+from pdserve.engine.model.layers.quant_linear import Interleaved, QuantEmbedding, QuantLinear
 from pdserve.engine.model.llama import LlamaForCausalLM
-from pdserve.engine.model.quant_linear import Interleaved, QuantEmbedding, QuantLinear
 from pdserve.kernels.cpu import quant as cpu_quant
 from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind
 

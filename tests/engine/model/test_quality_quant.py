@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.model.quant_linear import KERNEL_MAX_ROWS
+from pdserve.engine.model.layers.quant_linear import KERNEL_MAX_ROWS
 from pdserve.kernels.cpu import quant as cpu_quant
 from tests.helpers import quality
 from tests.helpers.bundled_quality import (

@@ -20,8 +20,8 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.model.gguf_file import GGUFFile
+from pdserve.engine.model.layers.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.engine.model.loader import bundled_model_path, load_model
-from pdserve.engine.model.quant_linear import QuantEmbedding, QuantLinear
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu import quant as cpu_quant
 from tests.helpers.model_steps import prefill_logits
