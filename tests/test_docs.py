@@ -1,6 +1,7 @@
 """The docs point at things that exist: docs/architecture.md and the role packages' life-cycle
 docstrings name real files, functions, methods and flags, and the README links only inside the
-repository (a standalone clone has nothing outside it).
+repository (a standalone clone has nothing outside it). docs/perf/ holds only results a document
+names, and every result a document names is there.
 
 Checked in backticked spans: paths (``pdserve/engine/core.py``, ``tests/test_*.py``), calls
 (``run_busy_loop()``, ``Scheduler.admit_remote_loads()``, ``core_proc.main()``), attributes of
@@ -32,6 +33,10 @@ PATH_SUFFIXES = (".py", ".md", ".proto", ".yaml", ".yml", ".json", ".txt")
 CLASS_INDEX = re.compile(r"^- `(pdserve/[\w/]+\.py)`: ((?:`\w+`(?:, )?)+)$", re.M)  # - `file`: `A`, `B`
 TIMELINE_SOURCES = ("router", "prefill", "decode", "<role>")
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+PERF = ROOT / "docs" / "perf"
+# A path into docs/perf/ anywhere in a document (a link, an image, a code span, prose): from the
+# repository's root (``docs/perf/x.json``) or from the document's folder (``perf/x.json`` in docs/).
+PERF_NAME = re.compile(r"(?<![\w./-])((?:docs/)?perf/(?:[\w./-]*[\w/])?)")
 
 
 class Definitions:
@@ -257,3 +262,46 @@ def test_the_checker_catches_a_wrong_pointer():
         "`pdserve.client.Client`"
     )
     assert problems(right) == []
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def perf_names(doc: Path, text: str) -> set[Path]:
+    """Every path into docs/perf/ that ``text`` (the document ``doc``) names, resolved."""
+    names = set()
+    for name in PERF_NAME.findall(text):
+        base = ROOT if name.startswith("docs/") else doc.parent
+        names.add((base / name).resolve())
+    return names
+
+
+def unnamed_perf_files(named: set[Path]) -> list[str]:
+    return sorted(
+        str(p.relative_to(ROOT)) for p in PERF.rglob("*") if p.is_file() and p.resolve() not in named
+    )
+
+
+def test_every_file_under_docs_perf_is_named_by_a_document():
+    """A result no document names is a result no reader finds: name it where its table is, or
+    delete it (git keeps it)."""
+    named = set().union(*(perf_names(doc, doc.read_text()) for doc in documents()))
+    assert len(named) > 20, "the name extraction found suspiciously little"
+    assert unnamed_perf_files(named) == []
+
+
+def test_every_docs_perf_path_a_document_names_exists():
+    """Links are checked by the link test; this covers code spans and prose too."""
+    for doc in documents():
+        missing = [str(p) for p in perf_names(doc, doc.read_text()) if not p.exists()]
+        assert missing == [], f"{doc.name} names missing results: {missing}"
+
+
+def test_the_perf_checks_see_links_code_spans_and_both_bases():
+    doc = ROOT / "docs" / "performance.md"
+    text = "[`docs/perf/a.json`](perf/b.json), `perf/c.png`, docs/perf/d.json. ~/.cache/perf/x"
+    assert perf_names(doc, text) == {PERF / name for name in ("a.json", "b.json", "c.png", "d.json")}
+    readme = ROOT / "README.md"
+    assert perf_names(readme, "see perf/e.json or `docs/perf/`") == {(ROOT / "perf/e.json"), PERF}
+    assert unnamed_perf_files({PERF.resolve()}) != []  # naming the folder names no file in it
