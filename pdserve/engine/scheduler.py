@@ -38,8 +38,8 @@ differs on purpose:
   of the step in flight plus a whole batch step; separate, the rest of the step plus a small
   step, and every running request's next token waits that small step. On this CPU a one-request
   step costs ~2/3 of a batch step (weights dominate), so it is a trade, not a free win:
-  measured in ``bench handover`` (README), the handover p50 fell 14-34% and the running
-  requests' mean inter-token gap rose 10-16%.
+  measured in ``bench handover`` (docs/performance.md), the handover p50 fell 14-34% and the
+  running requests' mean inter-token gap rose 10-16%.
 - ``handover_step="inflight"`` (the default) does not wait for a step boundary: between two decoder
   layers of a step (while at most half of them have run) the engine core lets a request whose
   KV has landed join that very step (``join_landed``); the runner first runs the layers it

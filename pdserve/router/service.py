@@ -95,7 +95,7 @@ class _Aborted(Exception):
 
 # Prompts every prefill engine must have in its prefill stage before a decode engine takes the
 # next one whole (``RouterServicer._prefill_backlogged``). Chosen by ``pdserve bench peers`` on
-# two cores (see the README's Performance section).
+# two cores (see docs/performance.md, bench peers).
 DEFAULT_MAX_PREFILL_QUEUE = 4
 # The longest uncached prompt a decode engine takes whole that way: its other streams wait for
 # that prefill's step.

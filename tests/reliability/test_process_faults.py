@@ -1,6 +1,6 @@
 """Process faults: kill -9 of prefill or decode mid-transfer, router restart, engine restart.
 
-What happens to the requests a fault hits (the README's fault table says the same):
+What happens to the requests a fault hits (docs/reliability.md's fault table says the same):
 - prefill killed while decode pulls from it: decode's read fails and decode recomputes the
   prompt itself (``kv_load_failure_policy=recompute``); the client gets every token, unchanged.
 - decode killed while it pulls: the router retries the request on the other decode engine
