@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
+from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -316,7 +316,7 @@ def plot(breakdown: list[dict[str, Any]], summary: dict[str, Any], path: str) ->
     """Two bars per phase: the whole request, and the handover alone (where overhead hides)."""
     import matplotlib
 
-    from pdserve.bench.report import new_figure, save_figure
+    from pdserve.bench.common.report import new_figure, save_figure
 
     phases = [("concurrency 1", breakdown), ("load", summary.get("stages_load", []))]
     phases = [(name, rows) for name, rows in phases if rows]
@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.bench.report import default_path, print_table, save_json
+    from pdserve.bench.common.report import default_path, print_table, save_json
     from pdserve.client import Client
     from pdserve.cluster import LocalCluster
     from pdserve.engine.model.loader import bundled_model_path

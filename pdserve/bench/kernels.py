@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.bench.report import default_path, print_table, save_json
+from pdserve.bench.common.report import default_path, print_table, save_json
 
 
 @dataclass(frozen=True)

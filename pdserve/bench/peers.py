@@ -34,7 +34,8 @@ with new prompts, the setups interleaved so drifting background load hits them a
 The report gives, per repeat, each setup's TTFT p50, ITL p50 (the client's per-chunk gaps),
 TPOT p50 and output tok/s, and each setup's ratios to vLLM and to llama.cpp (those that ran) in
 the same repeat and load point (tok/s: above 1 is faster than the peer; ITL and TTFT: below 1 is
-faster); then the spread of each over the repeats. JSON and PNG as every benchmark (``pdserve.bench.report``).
+faster); then the spread of each over the repeats. JSON and PNG as every benchmark
+(``pdserve.bench.common.report``).
 
 ``--scenario long`` replaces the load points by one run of two clients at once: long prompts
 arriving among streaming decodes, each setup's goodput under an SLO on every inter-token gap and
@@ -62,6 +63,7 @@ from typing import Any
 
 from pdserve import supervisor
 from pdserve.bench import peer_llamacpp, peer_venv, peers_long, peers_long_report
+from pdserve.bench.common.report import default_path, save_json
 from pdserve.bench.foreign_load import ForeignLoad
 from pdserve.bench.peers_client import Context, client_argv, log_tail, random_dataset, run_client
 from pdserve.bench.peers_long import MAX_WARMUP_PROMPTS, LongScenario
@@ -77,7 +79,6 @@ from pdserve.bench.peers_report import (
     print_spread,
     spread,
 )
-from pdserve.bench.report import default_path, save_json
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
 SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated", "gguf-a8-cluster",

@@ -254,7 +254,7 @@ def plot_long(rows: Sequence[dict[str, Any]], spreads: Sequence[dict[str, Any]],
     """The CDF of each stream's longest gap (left) and of the long prompts' TTFT (middle), one
     line per setup and repeat, the SLO dashed; the goodput per setup (right, median and the
     min-max bar over repeats, with the fraction of requests meeting the SLO)."""
-    from pdserve.bench.report import new_figure, save_figure
+    from pdserve.bench.common.report import new_figure, save_figure
 
     fig, (gap_ax, ttft_ax, goodput_ax) = new_figure(1, 3, figsize=(17, 5))
     colors = {setup: f"C{i}" for i, setup in enumerate(setups)}

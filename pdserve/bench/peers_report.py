@@ -252,7 +252,7 @@ def plot(
     """Output tok/s (top) and ITL p50 (bottom) against the concurrency (left, closed loop) and
     the request rate (right, open loop), one line per setup: the median over repeats, the bar
     from min to max."""
-    from pdserve.bench.report import new_figure, save_figure
+    from pdserve.bench.common.report import new_figure, save_figure
 
     closed = [lp for lp in loads if lp.max_concurrency is not None]
     opened = [lp for lp in loads if lp.request_rate is not None]

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
+from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
 
 POLICIES = ("round_robin", "prefix", "kv")
 BLOCK_SIZE = 16

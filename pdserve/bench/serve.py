@@ -57,7 +57,7 @@ import numpy as np
 
 from pdserve import supervisor
 from pdserve.bench import chunk_sweep
-from pdserve.bench.report import default_path, save_json
+from pdserve.bench.common.report import default_path, save_json
 from pdserve.bench.serve_client import engine_info, run_requests, run_requests_openai, wait_router_ready
 from pdserve.bench.serve_report import (
     REQUEST_KEYS,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdserve.bench.report import new_figure, print_table, save_figure
+from pdserve.bench.common.report import new_figure, print_table, save_figure
 
 if TYPE_CHECKING:
     from pdserve.bench.serve import RequestSpec

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
+from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
 from pdserve.config import QUANTIZATION_CHOICES
 from pdserve.engine.cpu_resources import cpu_flags, has_native_bf16
 from pdserve.engine.model.layers.linear import PackedLinear

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
 from pdserve.bench.engine import load_transformers_reference
-from pdserve.bench.report import default_path, new_figure, print_table, save_figure, save_json
 from pdserve.bench.static_batching import BatchSizeRun, StaticBatchRunner
 from pdserve.bench.workload import Workload, build_workload, read_lengths, sharegpt_like_lengths
 

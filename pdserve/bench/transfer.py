@@ -319,7 +319,7 @@ def make_rows(
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    from pdserve.bench.report import new_figure, save_figure
+    from pdserve.bench.common.report import new_figure, save_figure
 
     fig, ax = new_figure(figsize=(7, 4.5))
     for name in dict.fromkeys(r["transport"] for r in rows):
@@ -386,7 +386,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.bench.report import default_path, print_table, save_json
+    from pdserve.bench.common.report import default_path, print_table, save_json
     from pdserve.connector.transports import ALL_TRANSPORTS, available_transports, unavailable_reason
 
     args = parse_args(argv)

@@ -1,4 +1,8 @@
-"""What every benchmark ends with: a table on the terminal, a JSON file and a PNG plot."""
+"""What every benchmark ends with: a table on the terminal, a JSON file and a PNG plot.
+
+Results go under ``bench-results/`` unless a benchmark is told another path; plots are drawn on
+matplotlib's Agg backend, so a server without a display can write them.
+"""
 
 from __future__ import annotations
 
