@@ -81,7 +81,19 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("engine", "transfer", "kernels", "serve", "handover", "throughput", "peers", "step", "routing")
+# {`pdserve bench NAME`: the module whose main(argv) runs it}; a benchmark that spans files is a
+# package of pdserve.bench, its driver module runs it.
+BENCHMARKS = {
+    "engine": "pdserve.bench.engine",
+    "transfer": "pdserve.bench.transfer",
+    "kernels": "pdserve.bench.kernels",
+    "serve": "pdserve.bench.serve.driver",
+    "handover": "pdserve.bench.handover",
+    "throughput": "pdserve.bench.throughput",
+    "peers": "pdserve.bench.peers",
+    "step": "pdserve.bench.step",
+    "routing": "pdserve.bench.routing",
+}
 
 
 def _bench(what: str, rest: list[str]) -> int:
@@ -89,7 +101,7 @@ def _bench(what: str, rest: list[str]) -> int:
     import importlib
 
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(f"pdserve.bench.{what}")
+    module = importlib.import_module(BENCHMARKS[what])
     return int(module.main(rest) or 0)
 
 

@@ -14,8 +14,9 @@ import socket
 
 import pytest
 
-from pdserve.bench import chunk_sweep, serve
-from pdserve.bench.serve_report import KEY_METRICS, verdicts
+from pdserve.bench.serve import chunk_sweep, driver
+from pdserve.bench.serve.report import KEY_METRICS, REQUEST_KEYS, ROW_KEYS, STAGES, verdicts
+from pdserve.bench.serve.workload import Workload, load_dataset, parse_length
 from pdserve.engine.model.tiny import write_tiny_model
 from tests.helpers.processes import processes_mentioning
 
@@ -44,7 +45,7 @@ def test_bench_serve_reports_every_request_of_every_setup(two_setup_run):
         assert row["ttft_ms_p50"] <= row["e2e_ms_p50"]
         assert row["queue_ms_mean"] >= 0 and row["prefill_ms_mean"] > 0
         if row["setup"] == "pd":
-            for stage in serve.STAGES:
+            for stage in STAGES:
                 assert (
                     row[f"{stage}_ms_mean"] is not None and row[f"{stage}_ms_p50"] <= row[f"{stage}_ms_p99"]
                 )
@@ -74,20 +75,20 @@ def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, mon
     from pdserve import supervisor
 
     with socket.socket() as taken:
-        taken.bind((serve.HOST, 0))
+        taken.bind((driver.HOST, 0))
         taken.listen()
-        picks = iter([[taken.getsockname()[1]], supervisor.pick_free_ports(serve.HOST, 1)])
+        picks = iter([[taken.getsockname()[1]], supervisor.pick_free_ports(driver.HOST, 1)])
         monkeypatch.setattr(supervisor, "pick_free_ports", lambda host, count: next(picks))
         messages: list[str] = []
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
         def argv(port: int) -> list[str]:
-            return ["serve", "--host", serve.HOST, "--port", str(port), "--model", tiny_model_dir,
+            return ["serve", "--host", driver.HOST, "--port", str(port), "--model", tiny_model_dir,
                     "--max-model-len", "256", "--num-blocks", "64"]  # fmt: skip
 
-        with serve.SetupProcesses(str(tmp_path), env, messages.append) as procs:
+        with driver.SetupProcesses(str(tmp_path), env, messages.append) as procs:
             (engine,) = procs.start([("engine", argv, None)])
-            assert engine.address != f"{serve.HOST}:{taken.getsockname()[1]}"
+            assert engine.address != f"{driver.HOST}:{taken.getsockname()[1]}"
             assert supervisor.check_health(engine.address)
             assert procs.children == [engine]
         assert engine.popen.poll() is not None
@@ -95,8 +96,8 @@ def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, mon
 
 
 def test_workload_is_seeded_shares_its_prefix_and_differs_per_rate():
-    def workload(seed: int) -> serve.Workload:
-        return serve.Workload(
+    def workload(seed: int) -> Workload:
+        return Workload(
             prompt_len=(40, 60),
             output_len=(2, 9),
             dataset=None,
@@ -122,21 +123,19 @@ def test_workload_is_seeded_shares_its_prefix_and_differs_per_rate():
 
 
 def test_lengths_and_dataset_parsing(tmp_path):
-    assert serve.parse_length("512") == (512, 512)
-    assert serve.parse_length("128:1024") == (128, 1024)
+    assert parse_length("512") == (512, 512)
+    assert parse_length("128:1024") == (128, 1024)
     for bad in ("0", "10:5", "x"):
         with pytest.raises(ValueError):
-            serve.parse_length(bad)
+            parse_length(bad)
     path = tmp_path / "lengths.jsonl"
     path.write_text('{"prompt_len": 100, "output_len": 7}\n\n{"prompt_len": 30, "output_len": 2}\n')
-    assert serve.load_dataset(str(path)) == [(100, 7), (30, 2)]
-    spec = serve.Workload((1, 1), (1, 1), serve.load_dataset(str(path)), 0.0, 0, (5, 50)).draw(
-        6, 1.0, stream=1
-    )
+    assert load_dataset(str(path)) == [(100, 7), (30, 2)]
+    spec = Workload((1, 1), (1, 1), load_dataset(str(path)), 0.0, 0, (5, 50)).draw(6, 1.0, stream=1)
     assert {(len(s.prompt_token_ids), s.output_len) for s in spec} <= {(100, 7), (30, 2)}
     path.write_text('{"prompt_len": 100}\n')
     with pytest.raises(ValueError, match="lengths.jsonl:1"):
-        serve.load_dataset(str(path))
+        load_dataset(str(path))
 
 
 @pytest.mark.slow
@@ -151,7 +150,7 @@ def test_bench_serve_api_both_alternates_the_front_doors_and_reports_the_http_ov
         "--engine-args", "--num-blocks 128 --max-num-batched-tokens 512", "--max-model-len", "256",
         "--json", str(json_path), "--plot-dir", str(tmp_path / "plots"), "--no-progress",
     ]  # fmt: skip
-    assert serve.main(argv) == 0
+    assert driver.main(argv) == 0
     payload = json.loads(json_path.read_text())
     assert [r["setup"] for r in payload["rows"]] == ["pd", "pd/openai"]
     for row in payload["rows"]:
@@ -191,7 +190,7 @@ def two_setup_run(tmp_path_factory):
         "--engine-args", "--num-blocks 128 --max-num-batched-tokens 512", "--max-model-len", "256",
         "--json", str(json_path), "--plot-dir", str(root / "plots"), "--no-progress",
     ]  # fmt: skip
-    code = serve.main(argv)
+    code = driver.main(argv)
     with open(json_path) as f:
         payload = json.load(f)
     return code, payload, root / "plots", model
@@ -201,18 +200,18 @@ def two_setup_run(tmp_path_factory):
 def test_bench_serve_runs_each_setup_in_every_repeat(two_setup_run):
     code, payload, plot_dir, model = two_setup_run
     assert code == 0
-    assert serve.build_parser().parse_args([]).setups == list(serve.SETUPS)
-    assert list(serve.SETUPS) == ["colocated", "colocated-chunked", "pd"]
+    assert driver.build_parser().parse_args([]).setups == list(driver.SETUPS)
+    assert list(driver.SETUPS) == ["colocated", "colocated-chunked", "pd"]
     assert payload["config"]["setups"] == list(RUN_SETUPS)
     rows = payload["rows"]
     # Repeat-major: each repeat runs every setup before the next repeat starts.
     assert [(r["repeat"], r["setup"]) for r in rows] == [(rep, s) for rep in (0, 1) for s in RUN_SETUPS]
     for row in rows:
-        assert set(row) == set(serve.ROW_KEYS)
+        assert set(row) == set(ROW_KEYS)
         assert row["completed"] == NUM_REQUESTS and row["failed"] == 0
     records = payload["requests"]
     assert len(records) == 2 * len(RUN_SETUPS) * NUM_REQUESTS
-    assert all(set(rec) == set(serve.REQUEST_KEYS) and rec["error"] is None for rec in records)
+    assert all(set(rec) == set(REQUEST_KEYS) and rec["error"] is None for rec in records)
 
     def prompt_lens(setup: str, repeat: int) -> list[int]:
         return [r["prompt_len"] for r in records if r["setup"] == setup and r["repeat"] == repeat]
@@ -272,7 +271,7 @@ def test_verdict_is_claimed_only_where_it_holds_in_every_repeat():
         row("colocated", 0, 0.10, 900.0), row("colocated-chunked", 0, 0.20, 300.0), row("pd", 0, 0.25, 200.0),
         row("colocated", 1, 0.10, 900.0), row("colocated-chunked", 1, 0.30, 250.0), row("pd", 1, 0.25, 220.0),
     ]  # fmt: skip
-    claims = {c["metric"]: c for c in verdicts(rows, serve.COLOCATED_SETUPS)}
+    claims = {c["metric"]: c for c in verdicts(rows, driver.COLOCATED_SETUPS)}
     # Goodput: P/D beats chunked in repeat 0 but not in repeat 1 -> no claim.
     assert claims["goodput_req_per_s"]["verdict"] == "no claim"
     assert [p["best_colocated"] for p in claims["goodput_req_per_s"]["per_repeat"]] == [0.20, 0.30]
@@ -281,7 +280,7 @@ def test_verdict_is_claimed_only_where_it_holds_in_every_repeat():
     assert claims["ttft_ms_p50"]["verdict"] == "no claim"  # ties everywhere
     rows[2]["itl_ms_p99"] = 400.0
     rows[5]["itl_ms_p99"] = 300.0
-    assert {c["metric"]: c for c in verdicts(rows, serve.COLOCATED_SETUPS)}["itl_ms_p99"][
+    assert {c["metric"]: c for c in verdicts(rows, driver.COLOCATED_SETUPS)}["itl_ms_p99"][
         "verdict"
     ] == "pd worse"
 
@@ -314,7 +313,7 @@ def test_chunk_rule_picks_the_largest_budget_within_the_ratio_else_within_the_sl
 
 
 def test_chunk_tokens_flag_skips_the_sweep(tmp_path):
-    args = serve.build_parser().parse_args(["--chunk-tokens", "48"])
-    workload = serve.Workload((512, 512), (64, 64), None, 0.0, 0, (0, 1))
-    chunk = serve.choose_chunk_tokens(args, workload, [0], str(tmp_path), {}, lambda message: None)
+    args = driver.build_parser().parse_args(["--chunk-tokens", "48"])
+    workload = Workload((512, 512), (64, 64), None, 0.0, 0, (0, 1))
+    chunk = driver.choose_chunk_tokens(args, workload, [0], str(tmp_path), {}, lambda message: None)
     assert chunk["tokens"] == 48 and chunk["source"] == "--chunk-tokens" and chunk["sweep"] is None

@@ -1,4 +1,4 @@
-"""Statistics, tables and plots of ``pdserve bench serve`` (see ``pdserve.bench.serve``).
+"""Statistics, tables and plots of ``pdserve bench serve`` (see ``pdserve.bench.serve.driver``).
 
 A request's record and a (setup, rate, repeat) row are plain dicts with the keys below; the
 JSON file holds them as they are, so the README's numbers can be recomputed from it. Over
@@ -20,7 +20,7 @@ import numpy as np
 from pdserve.bench.common.report import new_figure, print_table, save_figure
 
 if TYPE_CHECKING:
-    from pdserve.bench.serve import RequestSpec
+    from pdserve.bench.serve.workload import RequestSpec
 
 STAGES = ("queue", "prefill", "transfer", "decode")  # the P/D breakdown, in request order
 # Every JSON row has these keys (None where a value does not apply, e.g. transfer for colocated).

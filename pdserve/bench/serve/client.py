@@ -1,7 +1,7 @@
 """The client side of ``pdserve bench serve``: an open loop of streamed requests through the
 router's gRPC API or its OpenAI HTTP API, and the router/engine queries the driver waits on.
 
-Kept apart from the driver (``pdserve.bench.serve``) so each module stays about one concern.
+Kept apart from the driver (``pdserve.bench.serve.driver``) so each module stays about one concern.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.serve_report import RequestResult
+from pdserve.bench.serve.report import RequestResult
 
 if TYPE_CHECKING:
-    from pdserve.bench.serve import RequestSpec
+    from pdserve.bench.serve.workload import RequestSpec
 
 REQUEST_TIMEOUT_S = 600.0  # a request still streaming after this counts as failed (DEADLINE_EXCEEDED)
 
@@ -69,7 +69,7 @@ async def run_requests_openai(
 ) -> list[RequestResult]:
     """The same open loop through the router's OpenAI API: ``/v1/completions`` streamed, with
     vLLM's ``continuous_usage_stats`` so each event says how many tokens it carries."""
-    from pdserve.bench.sse_client import HTTPStatusError, stream_events
+    from pdserve.bench.serve.sse_client import HTTPStatusError, stream_events
 
     results = [RequestResult(spec) for spec in specs]
     start = time.perf_counter()

@@ -26,7 +26,7 @@ the model, the CPU and the decode batch, so it is measured, not guessed:
 
 Every candidate runs on the same engine, the same running batch and the same KV contexts (only
 the scheduler's budget changes between them), so the ratios compare like with like. Run as
-``python -m pdserve.bench.chunk_sweep``, pinned to one core with ``OMP_NUM_THREADS=1`` like the
+``python -m pdserve.bench.serve.chunk_sweep``, pinned to one core with ``OMP_NUM_THREADS=1`` like the
 engines it calibrates (``run_pinned``); it writes its result as JSON.
 """
 
@@ -244,7 +244,7 @@ def _torch_threads() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.chunk_sweep", description=__doc__.split("\n\n")[0]
+        prog="python -m pdserve.bench.serve.chunk_sweep", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", default=None)
     p.add_argument("--prompt-len", type=int, required=True)
@@ -295,7 +295,7 @@ def run_pinned(
 
     out = os.path.join(log_dir, "chunk_sweep.json")
     argv = [
-        sys.executable, "-m", "pdserve.bench.chunk_sweep", "--prompt-len", str(prompt_len),
+        sys.executable, "-m", "pdserve.bench.serve.chunk_sweep", "--prompt-len", str(prompt_len),
         "--output-len", str(output_len), "--candidates", *map(str, candidates),
         "--rate-per-engine", str(rate_per_engine), "--repeats", str(repeats),
         "--max-model-len", str(max_model_len), "--seed", str(seed), "--json", out,

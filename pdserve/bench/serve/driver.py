@@ -9,7 +9,7 @@ same cores (``--cpus``, default the first two this process may use):
 - ``colocated-chunked``: the same, with each step capped at a token budget chosen so that a
   step carrying a prefill chunk costs about one decode step (Sarathi-Serve's stall-free
   batching, the strongest colocated configuration). The budget is measured before the runs on
-  the same model and core (``pdserve.bench.chunk_sweep``) unless ``--chunk-tokens`` gives it;
+  the same model and core (``pdserve.bench.serve.chunk_sweep``) unless ``--chunk-tokens`` gives it;
 - ``pd``: one ``pdserve prefill`` and one ``pdserve decode`` engine behind the router with
   ``--disagg-min-tokens 0``, so every request is prefilled on P and its KV pulled by D.
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import secrets
@@ -56,13 +55,10 @@ from typing import Any, cast
 import numpy as np
 
 from pdserve import supervisor
-from pdserve.bench import chunk_sweep
 from pdserve.bench.common.report import default_path, save_json
-from pdserve.bench.serve_client import engine_info, run_requests, run_requests_openai, wait_router_ready
-from pdserve.bench.serve_report import (
-    REQUEST_KEYS,
-    ROW_KEYS,
-    STAGES,
+from pdserve.bench.serve import chunk_sweep
+from pdserve.bench.serve.client import engine_info, run_requests, run_requests_openai, wait_router_ready
+from pdserve.bench.serve.report import (
     RequestResult,
     front_overhead,
     plot_all,
@@ -75,10 +71,9 @@ from pdserve.bench.serve_report import (
     summarize,
     verdicts,
 )
+from pdserve.bench.serve.workload import RequestSpec, Workload, load_dataset, parse_length
 from pdserve.config import KV_TRANSPORTS
 from pdserve.supervisor import SupervisedProcess, Supervisor
-
-__all__ = ["REQUEST_KEYS", "ROW_KEYS", "STAGES", "main"]
 
 SETUPS = ("colocated", "colocated-chunked", "pd")
 COLOCATED_SETUPS = ("colocated", "colocated-chunked")  # two `pdserve serve` engines each
@@ -86,100 +81,6 @@ HOST = "127.0.0.1"  # every process binds loopback
 STARTUP_TIMEOUT_S = 600.0
 IDLE_TIMEOUT_S = 60.0
 GRACE_S = 10.0
-
-# ---------------------------------------------------------------------- workload
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    index: int
-    arrival_s: float  # offset from the start of the rate's run
-    prompt_token_ids: list[int]
-    output_len: int
-
-
-def parse_length(text: str) -> tuple[int, int]:
-    """``"512"`` -> (512, 512); ``"128:1024"`` -> uniform in [128, 1024]."""
-    lo, _, hi = text.partition(":")
-    bounds = (int(lo), int(hi or lo))
-    if bounds[0] < 1 or bounds[1] < bounds[0]:
-        raise ValueError(f"bad length {text!r}: want N or LO:HI with 1 <= LO <= HI")
-    return bounds
-
-
-def load_dataset(path: str) -> list[tuple[int, int]]:
-    """``(prompt_len, output_len)`` pairs from a JSONL file of ``{"prompt_len", "output_len"}``."""
-    pairs = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            try:
-                pair = (int(row["prompt_len"]), int(row["output_len"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(
-                    f"{path}:{number}: want prompt_len and output_len integers ({exc})"
-                ) from None
-            if min(pair) < 1:
-                raise ValueError(f"{path}:{number}: lengths must be >= 1, got {pair}")
-            pairs.append(pair)
-    if not pairs:
-        raise ValueError(f"{path}: no rows")
-    return pairs
-
-
-@dataclass
-class Workload:
-    """Draws the requests of one rate: lengths, arrival times and token ids, all seeded."""
-
-    prompt_len: tuple[int, int]
-    output_len: tuple[int, int]
-    dataset: list[tuple[int, int]] | None
-    shared_prefix_frac: float
-    seed: int
-    token_range: tuple[int, int]  # [lo, hi) of the token ids drawn
-    shared_prefix: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        longest = max(p for p, _ in self.dataset) if self.dataset else self.prompt_len[1]
-        rng = np.random.default_rng([self.seed, 7])
-        # Request i uses the first frac * prompt_len tokens of this one sequence as its prefix.
-        self.shared_prefix = rng.integers(*self.token_range, size=longest).tolist()
-
-    def mean_lengths(self) -> tuple[float, float]:
-        """Expected (prompt, output) length of a request: what the chunk sweep calibrates for."""
-        if self.dataset:
-            return float(np.mean([p for p, _ in self.dataset])), float(np.mean([o for _, o in self.dataset]))
-        return sum(self.prompt_len) / 2, sum(self.output_len) / 2
-
-    def max_total_len(self) -> int:
-        if self.dataset:
-            return max(p + o for p, o in self.dataset)
-        return self.prompt_len[1] + self.output_len[1]
-
-    def draw(self, num_requests: int, rate: float, stream: int) -> list[RequestSpec]:
-        """Requests of rate-stream ``stream`` (a different stream gives different prompts)."""
-        rng = np.random.default_rng([self.seed, 1000 + stream])
-        if self.dataset:
-            picks = rng.integers(len(self.dataset), size=num_requests)
-            lengths = [self.dataset[i] for i in picks]
-        else:
-            prompts = rng.integers(self.prompt_len[0], self.prompt_len[1] + 1, size=num_requests)
-            outputs = rng.integers(self.output_len[0], self.output_len[1] + 1, size=num_requests)
-            lengths = list(zip(prompts.tolist(), outputs.tolist(), strict=True))
-        if np.isinf(rate):
-            arrivals = np.zeros(num_requests)
-        else:
-            gaps = rng.exponential(1.0 / rate, size=num_requests)
-            arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-        specs = []
-        for i, ((p, o), arrival) in enumerate(zip(lengths, arrivals.tolist(), strict=True)):
-            shared = min(p, int(self.shared_prefix_frac * p))
-            own = rng.integers(*self.token_range, size=p - shared).tolist()
-            specs.append(RequestSpec(i, arrival, self.shared_prefix[:shared] + own, int(o)))
-        return specs
-
 
 # ---------------------------------------------------------------------- processes
 
@@ -389,7 +290,7 @@ def choose_chunk_tokens(
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     """The step token budget of ``colocated-chunked``: ``--chunk-tokens`` if given, else measured
-    by ``pdserve.bench.chunk_sweep`` on the first core with the engines' threading (before any
+    by ``pdserve.bench.serve.chunk_sweep`` on the first core with the engines' threading (before any
     setup starts, so nothing of ours competes with it) and chosen by its rule. Returns what the
     JSON records: the budget, where it came from, the rule, and the sweep behind it."""
     if args.chunk_tokens is not None:
