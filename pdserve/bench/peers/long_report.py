@@ -8,8 +8,8 @@ monotonic clock, so the two clients' times compare), ``ttfts`` (seconds, 0 when 
 ``itls`` (seconds between consecutive streamed chunks after the first), ``latencies``,
 ``input_lens``, ``output_lens`` and ``errors`` ("" when it succeeded).
 
-Kept apart from the driver (``pdserve.bench.peers_long``) so the arithmetic is testable on result
-files without a server.
+Kept apart from the scenario's driver (``pdserve.bench.peers.long_scenario``) so the arithmetic is
+testable on result files without a server.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.peers_report import fmt_cell, print_rich_table, print_row_warnings, spread_cell
+from pdserve.bench.peers.report import fmt_cell, print_rich_table, print_row_warnings, spread_cell
 
 LOAD = "long"  # the rows' load name: one run of both clients per setup and repeat
 STREAM, LONG = "stream", "long"  # the two clients' requests

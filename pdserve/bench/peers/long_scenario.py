@@ -52,9 +52,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.bench.foreign_load import ForeignLoad
-from pdserve.bench.peers_client import Context, client_argv, log_tail, random_dataset, run_client
-from pdserve.bench.peers_long_report import LONG, STREAM, Slo, failed_long_row, long_row
+from pdserve.bench.peers.client import Context, client_argv, log_tail, random_dataset, run_client
+from pdserve.bench.peers.foreign_load import ForeignLoad
+from pdserve.bench.peers.long_report import LONG, STREAM, Slo, failed_long_row, long_row
 
 SCENARIO = "long"
 MAX_MODEL_LEN = 4096  # pdserve engines' --max-model-len in this scenario (unless a longer prompt needs more)
