@@ -89,7 +89,7 @@ BENCHMARKS = {
     "kernels": "pdserve.bench.kernels",
     "serve": "pdserve.bench.serve.driver",
     "handover": "pdserve.bench.handover",
-    "throughput": "pdserve.bench.throughput",
+    "throughput": "pdserve.bench.throughput.driver",
     "peers": "pdserve.bench.peers.driver",
     "step": "pdserve.bench.step",
     "routing": "pdserve.bench.routing",

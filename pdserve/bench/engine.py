@@ -8,36 +8,14 @@ step with many running decodes as a fraction of one real decode step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
+from pdserve.bench.common.hf_reference import load_transformers_reference
 from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-
-def load_transformers_reference(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The same weights in Hugging Face transformers, in eval mode: the reference every
-    pdserve-vs-transformers benchmark compares against.
-
-    ``path`` is what pdserve loads: a GGUF file (transformers dequantises it with the same
-    ``gguf`` routine pdserve uses) or an HF checkpoint directory such as the tiny test model.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if os.path.isdir(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
-        )
-    return model.eval()
 
 
 def _time(fn, repeats: int) -> float:

@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from pdserve.bench import throughput
-from pdserve.bench.static_batching import length_sorted_batches
-from pdserve.bench.workload import MIN_LEN, build_workload, read_lengths, sharegpt_like_lengths
+from pdserve.bench.throughput import driver
+from pdserve.bench.throughput.static_batching import length_sorted_batches
+from pdserve.bench.throughput.workload import MIN_LEN, build_workload, read_lengths, sharegpt_like_lengths
 from pdserve.engine.model.tiny import write_tiny_model
 from tests.helpers.processes import children_of
 
@@ -38,7 +38,7 @@ def bench_run(tmp_path_factory):
         "--batch-sizes", "1", "4", "--sweep-seconds", "0",
         "--json", str(json_path), "--save-outputs", "--no-progress",
     ]  # fmt: skip
-    code = throughput.main(argv)
+    code = driver.main(argv)
     with open(json_path) as f:
         payload = json.load(f)
     return code, payload, json_path, children_before

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.bench.workload import Workload
+from pdserve.bench.throughput.workload import Workload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from pdserve.bench.common.hf_reference import load_transformers_reference
 from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
-from pdserve.bench.engine import load_transformers_reference
-from pdserve.bench.static_batching import BatchSizeRun, StaticBatchRunner
-from pdserve.bench.workload import Workload, build_workload, read_lengths, sharegpt_like_lengths
+from pdserve.bench.throughput.static_batching import BatchSizeRun, StaticBatchRunner
+from pdserve.bench.throughput.workload import Workload, build_workload, read_lengths, sharegpt_like_lengths
 
 if TYPE_CHECKING:
     from pdserve import LLM
