@@ -50,7 +50,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Workload:
+class KernelCall:
     """One kernel call at one shape, with the traffic and arithmetic it cannot avoid."""
 
     name: str
@@ -66,7 +66,9 @@ class Workload:
         return self.bytes_moved / (bandwidth_gbs * 1e3)
 
 
-def workloads(model: ModelShape, batch: int, context: int, prefill_seqs: int, chunk: int) -> list[Workload]:
+def kernel_calls(
+    model: ModelShape, batch: int, context: int, prefill_seqs: int, chunk: int
+) -> list[KernelCall]:
     """The per-layer kernel calls of a decode step, a chunked-prefill step, and one transfer."""
     item, m = model.itemsize, model
     q_bytes = m.num_heads * m.head_dim * item  # one token's query (and output) in one layer
@@ -77,38 +79,38 @@ def workloads(model: ModelShape, batch: int, context: int, prefill_seqs: int, ch
     visible = prefill_seqs * sum(context - chunk + i + 1 for i in range(chunk))
     table_bytes = blocks_per_seq * 4 + 4  # int32 block-table row + seq_len
     return [
-        Workload(
+        KernelCall(
             "reshape_and_cache",
             f"{batch} tok (decode)",
             batch * (2 * m.kv_token_bytes + 8),  # read K/V, write them, read the int64 slot
             0,
         ),
-        Workload(
+        KernelCall(
             "reshape_and_cache",
             f"{prefill_tokens} tok (prefill)",
             prefill_tokens * (2 * m.kv_token_bytes + 8),
             0,
         ),
-        Workload(
+        KernelCall(
             "paged_attention_decode",
             f"{batch} seqs x {context} ctx",
             # K/V are read once per KV head, shared by its query heads (GQA).
             batch * (context * m.kv_token_bytes + 2 * q_bytes + table_bytes),
             4 * batch * context * m.num_heads * m.head_dim,  # QK^T and PV, 2 FLOPs per MAC
         ),
-        Workload(
+        KernelCall(
             "paged_attention_prefill",
             f"{prefill_seqs} x last {chunk} of {context}",
             prefill_seqs * (context * m.kv_token_bytes + table_bytes + 4) + prefill_tokens * 2 * q_bytes,
             4 * visible * m.num_heads * m.head_dim,
         ),
-        Workload(
+        KernelCall(
             "gather_blocks",
             f"{blocks_per_seq} blocks ({context} tok)",
             blocks_per_seq * (2 * m.block_bytes + 8),
             0,
         ),
-        Workload(
+        KernelCall(
             "scatter_blocks",
             f"{blocks_per_seq} blocks ({context} tok)",
             blocks_per_seq * (2 * m.block_bytes + 8),
@@ -117,7 +119,7 @@ def workloads(model: ModelShape, batch: int, context: int, prefill_seqs: int, ch
     ]
 
 
-def _print_floors(model: ModelShape, loads: list[Workload], args: argparse.Namespace) -> list[dict]:
+def _print_floors(model: ModelShape, loads: list[KernelCall], args: argparse.Namespace) -> list[dict]:
     rows = [
         {
             "kernel": w.name,
@@ -249,7 +251,7 @@ def _copy_ms(traffic_bytes: int, dev: torch.device, timer: Callable[[Callable[[]
 
 def _measure(
     model: ModelShape,
-    loads: list[Workload],
+    loads: list[KernelCall],
     args: argparse.Namespace,
     dev: torch.device,
     timer: Callable[[Callable[[], object]], float],  # fn -> milliseconds
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chunk must be <= --context")
 
     model = ModelShape(dtype=args.dtype)
-    loads = workloads(model, args.batch, args.context, args.prefill_seqs, args.chunk)
+    loads = kernel_calls(model, args.batch, args.context, args.prefill_seqs, args.chunk)
     floors = _print_floors(model, loads, args)
     if not torch.cuda.is_available():
         print("pdserve bench kernels: measuring the Triton kernels needs a CUDA GPU; none found.")

@@ -54,7 +54,10 @@ BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
-class Workload:
+class SharedPrefixWorkload:
+    """Tenants with a system prompt each, users with a context each, and requests that share
+    both, asked by a few tenants at a time (see the module docstring)."""
+
     tenants: int
     users: int
     system_len: int
@@ -104,7 +107,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def run_policy(
-    policy: str, workload: Workload, args: argparse.Namespace, model: str | None, log_dir: str
+    policy: str, workload: SharedPrefixWorkload, args: argparse.Namespace, model: str | None, log_dir: str
 ) -> dict[str, Any]:
     """One policy on a fresh cluster: every request's router metrics, summarized."""
     from pdserve.client import Client
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         model = None if args.model == "bundled" else args.model
     rows: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        workload = Workload(
+        workload = SharedPrefixWorkload(
             args.tenants, args.users, args.system_len, args.user_len, args.question_len, args.requests,
             seed=args.seed + repeat, phases=args.phases, active_tenants=args.active_tenants,
         )  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.bench.serve import chunk_sweep, driver
 from pdserve.bench.serve.report import KEY_METRICS, REQUEST_KEYS, ROW_KEYS, STAGES, verdicts
-from pdserve.bench.serve.workload import Workload, load_dataset, parse_length
+from pdserve.bench.serve.workload import OpenLoopWorkload, load_dataset, parse_length
 from pdserve.engine.model.tiny import write_tiny_model
 from tests.helpers.processes import processes_mentioning
 
@@ -96,8 +96,8 @@ def test_an_engine_that_loses_its_port_is_started_again_on_another(tmp_path, mon
 
 
 def test_workload_is_seeded_shares_its_prefix_and_differs_per_rate():
-    def workload(seed: int) -> Workload:
-        return Workload(
+    def workload(seed: int) -> OpenLoopWorkload:
+        return OpenLoopWorkload(
             prompt_len=(40, 60),
             output_len=(2, 9),
             dataset=None,
@@ -131,7 +131,7 @@ def test_lengths_and_dataset_parsing(tmp_path):
     path = tmp_path / "lengths.jsonl"
     path.write_text('{"prompt_len": 100, "output_len": 7}\n\n{"prompt_len": 30, "output_len": 2}\n')
     assert load_dataset(str(path)) == [(100, 7), (30, 2)]
-    spec = Workload((1, 1), (1, 1), load_dataset(str(path)), 0.0, 0, (5, 50)).draw(6, 1.0, stream=1)
+    spec = OpenLoopWorkload((1, 1), (1, 1), load_dataset(str(path)), 0.0, 0, (5, 50)).draw(6, 1.0, stream=1)
     assert {(len(s.prompt_token_ids), s.output_len) for s in spec} <= {(100, 7), (30, 2)}
     path.write_text('{"prompt_len": 100}\n')
     with pytest.raises(ValueError, match="lengths.jsonl:1"):
@@ -314,6 +314,6 @@ def test_chunk_rule_picks_the_largest_budget_within_the_ratio_else_within_the_sl
 
 def test_chunk_tokens_flag_skips_the_sweep(tmp_path):
     args = driver.build_parser().parse_args(["--chunk-tokens", "48"])
-    workload = Workload((512, 512), (64, 64), None, 0.0, 0, (0, 1))
+    workload = OpenLoopWorkload((512, 512), (64, 64), None, 0.0, 0, (0, 1))
     chunk = driver.choose_chunk_tokens(args, workload, [0], str(tmp_path), {}, lambda message: None)
     assert chunk["tokens"] == 48 and chunk["source"] == "--chunk-tokens" and chunk["sweep"] is None

@@ -21,7 +21,7 @@ from tests.helpers.paths import REPO_ROOT
 
 def test_kernel_bench_byte_counts_match_a_hand_count() -> None:
     model = bench.ModelShape()  # SmolLM2-135M, bf16
-    loads = {w.name + w.shape: w for w in bench.workloads(model, 32, 1024, 4, 512)}
+    loads = {w.name + w.shape: w for w in bench.kernel_calls(model, 32, 1024, 4, 512)}
     decode = loads["paged_attention_decode32 seqs x 1024 ctx"]
     kv = 32 * 1024 * 2 * 3 * 64 * 2  # K and V of every context token, 3 KV heads, bf16
     q_and_out = 32 * 2 * 9 * 64 * 2
@@ -48,7 +48,7 @@ import argparse, json, time, torch
 from pdserve.bench import kernels as bench
 model = bench.ModelShape(num_layers=2, dtype="float32")
 args = argparse.Namespace(batch=2, context=40, prefill_seqs=2, chunk=8)
-loads = bench.workloads(model, args.batch, args.context, args.prefill_seqs, args.chunk)
+loads = bench.kernel_calls(model, args.batch, args.context, args.prefill_seqs, args.chunk)
 def timer(fn):
     start = time.perf_counter()
     fn()
@@ -70,7 +70,9 @@ def test_kernel_bench_measure_path_runs_in_triton_interpreter() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in rows] == [w.name for w in bench.workloads(bench.ModelShape(), 2, 40, 2, 8)]
+    assert [r["kernel"] for r in rows] == [
+        w.name for w in bench.kernel_calls(bench.ModelShape(), 2, 40, 2, 8)
+    ]
     for row in rows:
         assert row["rel err vs ref"] <= 1e-5, row
         assert row["kernel us"] > 0 and row["copy us"] > 0

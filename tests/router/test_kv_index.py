@@ -121,9 +121,11 @@ def test_kv_policy_weighs_matched_blocks_against_load_and_falls_back_to_prefix_u
 
 
 def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
-    from pdserve.bench.routing import Workload, main, tenant_homes, verdict
+    from pdserve.bench.routing import SharedPrefixWorkload, main, tenant_homes, verdict
 
-    workload = Workload(tenants=3, users=2, system_len=32, user_len=8, question_len=4, requests=10, seed=1)
+    workload = SharedPrefixWorkload(
+        tenants=3, users=2, system_len=32, user_len=8, question_len=4, requests=10, seed=1
+    )
     prompts = workload.prompts()
     assert prompts == workload.prompts()  # every policy gets the same requests
     systems = {tenant: prompt[:32] for tenant, prompt in prompts}
@@ -132,8 +134,8 @@ def test_bench_routing_workload_is_seeded_and_its_verdict_needs_every_repeat():
     def row(repeat: int, policy: str, hit: float, pulled: float) -> dict:
         return {"repeat": repeat, "policy": policy, "prefill_hit_rate": hit, "pulled_blocks_per_req": pulled}
 
-    phased = Workload(tenants=6, users=2, system_len=32, user_len=8, question_len=4, requests=40, seed=1,
-                      phases=4, active_tenants=2)  # fmt: skip
+    phased = SharedPrefixWorkload(tenants=6, users=2, system_len=32, user_len=8, question_len=4, requests=40,
+                                  seed=1, phases=4, active_tenants=2)  # fmt: skip
     asked = [{tenant for tenant, _ in phased.prompts()[k * 10 : (k + 1) * 10]} for k in range(4)]
     assert all(len(tenants) <= 2 for tenants in asked) and len(set().union(*asked)) > 2  # traffic shifts
     assert tenant_homes([(0, "a"), (0, "a"), (0, "b"), (1, "b"), (2, "b"), (3, "a")]) == [2, 2]

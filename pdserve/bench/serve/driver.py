@@ -71,7 +71,7 @@ from pdserve.bench.serve.report import (
     summarize,
     verdicts,
 )
-from pdserve.bench.serve.workload import RequestSpec, Workload, load_dataset, parse_length
+from pdserve.bench.serve.workload import OpenLoopWorkload, RequestSpec, load_dataset, parse_length
 from pdserve.config import KV_TRANSPORTS
 from pdserve.supervisor import SupervisedProcess, Supervisor
 
@@ -207,7 +207,7 @@ class SetupRun:
 def run_setup(
     setup: str,
     procs: SetupProcesses,
-    workload: Workload,
+    workload: OpenLoopWorkload,
     args: argparse.Namespace,
     cpus: list[int],
     say: Callable[[str], None],
@@ -283,7 +283,7 @@ def run_setup(
 
 def choose_chunk_tokens(
     args: argparse.Namespace,
-    workload: Workload,
+    workload: OpenLoopWorkload,
     cpus: list[int],
     log_dir: str,
     env: dict[str, str],
@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        workload = Workload(
+        workload = OpenLoopWorkload(
             prompt_len=parse_length(args.prompt_len),
             output_len=parse_length(args.output_len),
             dataset=load_dataset(args.dataset) if args.dataset else None,

@@ -57,8 +57,9 @@ def load_dataset(path: str) -> list[tuple[int, int]]:
 
 
 @dataclass
-class Workload:
-    """Draws the requests of one rate: lengths, arrival times and token ids, all seeded."""
+class OpenLoopWorkload:
+    """Draws the requests of one rate of the open loop: lengths, Poisson arrival times and token
+    ids, all seeded."""
 
     prompt_len: tuple[int, int]
     output_len: tuple[int, int]

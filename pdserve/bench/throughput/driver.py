@@ -22,7 +22,12 @@ from tqdm import tqdm
 from pdserve.bench.common.hf_reference import load_transformers_reference
 from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
 from pdserve.bench.throughput.static_batching import BatchSizeRun, StaticBatchRunner
-from pdserve.bench.throughput.workload import Workload, build_workload, read_lengths, sharegpt_like_lengths
+from pdserve.bench.throughput.workload import (
+    OfflineWorkload,
+    build_workload,
+    read_lengths,
+    sharegpt_like_lengths,
+)
 
 if TYPE_CHECKING:
     from pdserve import LLM
@@ -127,7 +132,9 @@ def make_llm(path: str, lengths: list[tuple[int, int]], args: argparse.Namespace
     )
 
 
-def run_pdserve(llm: LLM, workload: Workload, args: argparse.Namespace) -> tuple[dict, list[list[int]]]:
+def run_pdserve(
+    llm: LLM, workload: OfflineWorkload, args: argparse.Namespace
+) -> tuple[dict, list[list[int]]]:
     """All requests submitted at once (one ``generate`` call), greedy, EOS ignored."""
     from pdserve.engine.request import SamplingParams
 
@@ -170,7 +177,7 @@ def run_pdserve(llm: LLM, workload: Workload, args: argparse.Namespace) -> tuple
 
 
 def run_transformers(
-    path: str, workload: Workload, args: argparse.Namespace
+    path: str, workload: OfflineWorkload, args: argparse.Namespace
 ) -> tuple[dict, list[dict], list[list[int]]]:
     """The batch-size sweep, then the best size on the whole workload."""
     model = load_transformers_reference(path)
@@ -205,7 +212,7 @@ def run_transformers(
     return result, sweep, [best.outputs[i] for i in range(len(workload))]
 
 
-def _rates(seconds: float, workload: Workload) -> dict:
+def _rates(seconds: float, workload: OfflineWorkload) -> dict:
     return {
         "req_per_s": len(workload) / seconds,
         "out_tok_per_s": sum(workload.output_lens) / seconds,
@@ -241,7 +248,7 @@ def _print_report(payload: dict) -> None:
     )
 
 
-def plot(payload: dict, workload: Workload, path: str) -> None:
+def plot(payload: dict, workload: OfflineWorkload, path: str) -> None:
     fig, (bars, hist) = new_figure(1, 2, figsize=(11, 4))
     sweep = payload["transformers"]["sweep"]
     labels = [f"HF b={row['batch_size']}" + ("" if row["complete"] else "*") for row in sweep]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.bench.throughput.workload import Workload
+from pdserve.bench.throughput.workload import OfflineWorkload
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,7 +59,7 @@ class BatchSizeRun:
         }
 
 
-def length_sorted_batches(workload: Workload, batch_size: int) -> list[list[int]]:
+def length_sorted_batches(workload: OfflineWorkload, batch_size: int) -> list[list[int]]:
     """Request indices cut into batches after sorting by (output length, prompt length)."""
     order = sorted(range(len(workload)), key=lambda i: (workload.output_lens[i], len(workload.prompts[i])))
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -68,7 +68,7 @@ def length_sorted_batches(workload: Workload, batch_size: int) -> list[list[int]
 class StaticBatchRunner:
     """Runs left-padded greedy ``generate`` batches on one transformers model."""
 
-    def __init__(self, model: PreTrainedModel, workload: Workload, seed: int) -> None:
+    def __init__(self, model: PreTrainedModel, workload: OfflineWorkload, seed: int) -> None:
         self.model = model
         self.workload = workload
         self.seed = seed

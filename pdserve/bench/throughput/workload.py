@@ -28,7 +28,7 @@ FIRST_ORDINARY_ID = 100
 
 
 @dataclass
-class Workload:
+class OfflineWorkload:
     """One prompt (token ids) and one output length per request, in submission order."""
 
     prompts: list[list[int]]
@@ -101,7 +101,9 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def build_workload(lengths: list[tuple[int, int]], vocab_size: int, seed: int, source: str) -> Workload:
+def build_workload(
+    lengths: list[tuple[int, int]], vocab_size: int, seed: int, source: str
+) -> OfflineWorkload:
     """Random in-vocabulary prompts (seeded) of the given lengths.
 
     Random ids defeat any prefix cache, so both engines compute every prompt token.
@@ -109,4 +111,4 @@ def build_workload(lengths: list[tuple[int, int]], vocab_size: int, seed: int, s
     low = min(FIRST_ORDINARY_ID, vocab_size // 2)
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(low, vocab_size, (p,), generator=generator).tolist() for p, _ in lengths]
-    return Workload(prompts=prompts, output_lens=[o for _, o in lengths], source=source)
+    return OfflineWorkload(prompts=prompts, output_lens=[o for _, o in lengths], source=source)
