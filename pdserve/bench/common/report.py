@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.bench.common.stats import cdf
+
 RESULTS_DIR = "bench-results"
 
 
@@ -59,3 +61,11 @@ def save_figure(fig: Any, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def plot_cdf(ax: Any, values: Sequence[float], **style: Any) -> None:
+    """The empirical CDF of ``values`` (``stats.cdf``) on ``ax``: a step rising 1/n at each value,
+    ``style`` passed to matplotlib (``label``, ``color`` ...). Nothing for no values."""
+    xs, ys = cdf(values)
+    if xs:
+        ax.step(xs, ys, where="post", **style)
