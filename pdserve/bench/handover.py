@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import statistics
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.bench.common import stats
 from pdserve.config import KV_TRANSPORTS
 
 # Stages of a handover, in order, as (label, from event, to event) over the timeline's events.
@@ -114,8 +116,10 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+def median_or_nan(values: list[float]) -> float:
+    """``stats.median``, NaN for no values: the summary's arithmetic carries it into the JSON."""
+    mid = stats.median(values)
+    return math.nan if mid is None else mid
 
 
 # ---------------------------------------------------------------------- the phases
@@ -172,7 +176,6 @@ def phase_pulls(tokens: list[int], iters: int) -> list[dict[str, Any]]:
         make_plan,
         make_rows,
         measure,
-        percentiles,
     )
     from pdserve.connector.transports import available_transports
 
@@ -193,10 +196,9 @@ def phase_pulls(tokens: list[int], iters: int) -> list[dict[str, Any]]:
             mover.close()
     for error in errors:
         print(f"warning: {error}", file=sys.stderr)
-    floor = [percentiles(s)[0] for s in samples["memcpy"]]
     rows: list[dict[str, Any]] = []
     for name, per_size in samples.items():
-        rows += make_rows(name, plan, per_size, floor)
+        rows += make_rows(name, plan, per_size, samples["memcpy"])
     return rows
 
 
@@ -213,7 +215,9 @@ def stage_breakdown(traces: list[RequestTrace]) -> list[dict[str, Any]]:
             if start in t.timeline_ms and end in t.timeline_ms
         ]
         if spans:
-            rows.append({"stage": label, "from": start, "to": end, "p50_ms": median(spans), "n": len(spans)})
+            rows.append(
+                {"stage": label, "from": start, "to": end, "p50_ms": median_or_nan(spans), "n": len(spans)}
+            )
     return rows
 
 
@@ -228,13 +232,13 @@ def summarize(
     colo = [t for t in c1 if t.path == "colocated" and t.error is None]
     out: dict[str, Any] = {"goals": []}
     if pd and colo:
-        step = median([g for t in pd for g in t.later_gaps_ms])
-        gap = median([t.handover_ms for t in pd])
+        step = median_or_nan([g for t in pd for g in t.later_gaps_ms])
+        gap = median_or_nan([t.handover_ms for t in pd])
         pull_samples = [t.pull_ms for t in pd if t.pull_ms is not None]
-        pull = median(pull_samples) if pull_samples else fallback_pull_ms or float("nan")
+        pull = median_or_nan(pull_samples) if pull_samples else fallback_pull_ms or float("nan")
         # One decode step: the very step that made the second token when the timeline has it
         # (on a busy machine steps vary a lot), else the median of the later gaps.
-        overhead = median(
+        overhead = median_or_nan(
             [
                 t.handover_ms
                 - (t.first_step_ms if t.first_step_ms is not None else step)
@@ -242,10 +246,10 @@ def summarize(
                 for t in pd
             ]
         )
-        overhead_median_step = median(
+        overhead_median_step = median_or_nan(
             [t.handover_ms - step - (t.pull_ms if t.pull_ms is not None else pull) for t in pd]
         )
-        ttft_pd, ttft_colo = median([t.ttft_ms for t in pd]), median([t.ttft_ms for t in colo])
+        ttft_pd, ttft_colo = median_or_nan([t.ttft_ms for t in pd]), median_or_nan([t.ttft_ms for t in colo])
         out["concurrency_1"] = {
             "requests": len(pd),
             "handover_p50_ms": gap,
@@ -254,7 +258,7 @@ def summarize(
             "pull_source": "timeline" if pull_samples else "transfer bench (no timeline from this build)",
             "overhead_p50_ms": overhead,
             "overhead_vs_median_step_p50_ms": overhead_median_step,
-            "first_step_p50_ms": median([t.first_step_ms for t in pd if t.first_step_ms is not None]),
+            "first_step_p50_ms": median_or_nan([t.first_step_ms for t in pd if t.first_step_ms is not None]),
             "ttft_pd_p50_ms": ttft_pd,
             "ttft_colocated_p50_ms": ttft_colo,
             "ttft_ratio": ttft_pd / ttft_colo,
@@ -263,10 +267,10 @@ def summarize(
         out["goals"].append(_goal("TTFT 1P1D / colocated at concurrency 1", ttft_pd / ttft_colo, "<=", 1.05))
     done = [t for t in load if t.error is None and len(t.token_times) >= 3]
     if done:
-        step = median([g for t in done for g in t.later_gaps_ms])
+        step = median_or_nan([g for t in done for g in t.later_gaps_ms])
         pull_samples = [t.pull_ms for t in done if t.pull_ms is not None]
-        pull = median(pull_samples) if pull_samples else fallback_pull_ms or float("nan")
-        handover = median([t.handover_ms for t in done])
+        pull = median_or_nan(pull_samples) if pull_samples else fallback_pull_ms or float("nan")
+        handover = median_or_nan([t.handover_ms for t in done])
         gaps = sorted(g for t in done for g in t.later_gaps_ms)
         out["load"] = {
             "requests": len(done),
@@ -280,7 +284,7 @@ def summarize(
             # What the running requests pay for the handovers (a separate handover step delays
             # their next token once): inter-token gaps after the second token.
             "itl_mean_ms": statistics.fmean(gaps),
-            "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            "itl_p99_ms": stats.percentile(gaps, 99),
         }
         budget = pull + 1.5 * step
         out["goals"].append(

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.common.report import default_path, new_figure, print_table, save_figure, save_json
+from pdserve.bench.common.stats import percentile
 
 POLICIES = ("round_robin", "prefix", "kv")
 BLOCK_SIZE = 16
@@ -97,13 +98,6 @@ class SharedPrefixWorkload:
             user = rng.randrange(self.users)
             out.append((tenant, systems[tenant] + users[tenant][user] + tokens(self.question_len)))
         return out
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_policy(
@@ -162,8 +156,8 @@ def run_policy(
         "prefill_hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
         "pulled_blocks_per_req": statistics.mean(m["decode_pulled_blocks"] for m in metrics),
         "decode_hit_blocks_per_req": statistics.mean(m["decode_hit_blocks"] for m in metrics),
-        "ttft_p50_ms": _pct([m["ttft_ms"] for m in metrics], 0.5),
-        "handover_p50_ms": _pct([m["transfer_ms"] for m in metrics if m["transfer_ms"] > 0], 0.5),
+        "ttft_p50_ms": percentile([m["ttft_ms"] for m in metrics], 50),
+        "handover_p50_ms": percentile([m["transfer_ms"] for m in metrics if m["transfer_ms"] > 0], 50),
         "expectation_misses": mismatched,
         "prefill_engines": _share(metrics, "prefill_engine"),
         "decode_engines": _share(metrics, "decode_engine"),

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgpack
 
+from pdserve.bench.common.stats import percentile
 from pdserve.engine.kv_layout import KVCacheSpec
 
 # The bundled SmolLM2-135M-Instruct's KV cache (no need to load the model to size it).
@@ -67,12 +68,6 @@ def block_ids(plan: SizePlan, num_blocks: int, layout: str) -> tuple[list[int], 
 
     rng = random.Random(plan.tokens)
     return rng.sample(range(num_blocks), plan.blocks), rng.sample(range(num_blocks), plan.blocks)
-
-
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    import numpy as np
-
-    return float(np.percentile(samples, 50)), float(np.percentile(samples, 99))
 
 
 # ---------------------------------------------------------------------- child processes
@@ -298,11 +293,14 @@ def measure(
 
 
 def make_rows(
-    name: str, plan: list[SizePlan], samples: list[list[float]], memcpy_p50: list[float]
+    name: str, plan: list[SizePlan], samples: list[list[float]], memcpy_samples: list[list[float]]
 ) -> list[dict[str, Any]]:
+    """One row per size of ``name``'s reads: p50 and p99 latency (``stats.percentile``), bandwidth
+    at p50, and memcpy's p50 over its p50 for the same size (``ratio_to_memcpy``)."""
     rows = []
-    for size, times, floor in zip(plan, samples, memcpy_p50, strict=True):
-        p50, p99 = percentiles(times)
+    for size, times, memcpy_times in zip(plan, samples, memcpy_samples, strict=True):
+        p50, p99, floor = percentile(times, 50), percentile(times, 99), percentile(memcpy_times, 50)
+        assert p50 is not None and p99 is not None and floor is not None  # every size has timed reads
         rows.append(
             {
                 "transport": name,
@@ -424,10 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         for mover in movers.values():
             if isinstance(mover, TransportPair):
                 mover.close()
-    floor = [percentiles(s)[0] for s in samples["memcpy"]]
     rows: list[dict[str, Any]] = []
     for name, per_size in samples.items():
-        rows += make_rows(name, plan, per_size, floor)
+        rows += make_rows(name, plan, per_size, samples["memcpy"])
 
     columns = ["transport", "tokens", "blocks", "bytes", "p50_ms", "p99_ms", "gbps", "ratio_to_memcpy"]
     print_table(f"KV transfer, {args.layout} blocks (p50/p99 over timed reads)", rows, columns)

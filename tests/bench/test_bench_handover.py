@@ -91,3 +91,14 @@ def test_stage_breakdown_covers_the_handover_in_order(bench_run):
 def test_no_process_is_left(bench_run):
     *_, model = bench_run
     assert processes_mentioning(model) == []
+
+
+def test_load_summary_takes_the_itl_p99_and_medians_of_the_later_gaps():
+    # Later gaps of 10, 20, 30 and 40 ms after a 1 s handover.
+    trace = handover.RequestTrace("pd", sent=0.0, token_times=[0.5, 1.5, 1.51, 1.53, 1.56, 1.6])
+    load = handover.summarize([], [trace], [], None)["load"]
+    assert load["requests"] == 1 and load["failed"] == 0
+    assert load["handover_p50_ms"] == pytest.approx(1000.0)
+    assert load["decode_step_p50_ms"] == pytest.approx(25.0) and load["itl_mean_ms"] == pytest.approx(25.0)
+    assert load["itl_p99_ms"] == pytest.approx(39.7)  # rank 3 * 0.99 = 2.97, between 30 and 40
+    assert math.isnan(load["pull_p50_ms"])  # no timeline and no transfer bench to fall back on

@@ -25,7 +25,7 @@ from pdserve.bench.peers.report import (
     add_ratios,
     failed_row,
     parse_result,
-    spread,
+    spread_by_load,
 )
 from tests.helpers.peers import requires_llamacpp, requires_peer_venv
 from tests.helpers.processes import processes_mentioning
@@ -152,7 +152,7 @@ def test_ratios_compare_each_setup_with_vllm_in_the_same_repeat_and_load():
     assert colocated_1["tok_s_vs_vllm"] == pytest.approx(0.25)
     assert unmatched["tok_s_vs_vllm"] is None and unmatched["itl_vs_vllm"] is None
 
-    (vllm_spread, colocated_spread, c8_spread) = spread(with_ratios)
+    (vllm_spread, colocated_spread, c8_spread) = spread_by_load(with_ratios)
     assert (colocated_spread["setup"], colocated_spread["load"], colocated_spread["repeats"]) == (
         "colocated",
         "c1",
@@ -173,7 +173,7 @@ def test_a_client_that_wrote_no_result_gives_a_failed_row_that_ratios_skip():
     assert row["completed"] == 0 and row["failed"] == 4 and row["out_tok_per_s"] is None
     _, colocated = add_ratios([row, other])
     assert colocated["tok_s_vs_vllm"] is None
-    assert spread([row])[0]["out_tok_per_s_median"] is None
+    assert spread_by_load([row])[0]["out_tok_per_s_median"] is None
 
 
 def test_every_setup_gets_ratios_to_llamacpp_too_and_the_tables_show_them_only_when_it_ran(capsys):
@@ -194,10 +194,10 @@ def test_every_setup_gets_ratios_to_llamacpp_too_and_the_tables_show_them_only_w
     assert cluster_row["itl_vs_llamacpp"] == pytest.approx(1.25)  # the key number: ITL at c=1
     assert cluster_row["tok_s_vs_llamacpp"] == pytest.approx(0.5)
     assert cluster_row["ttft_vs_llamacpp"] == pytest.approx(2.0)
-    (_, _, cluster_spread) = spread(rows)
+    (_, _, cluster_spread) = spread_by_load(rows)
     assert cluster_spread["itl_vs_llamacpp_median"] == pytest.approx(1.25)
     print_repeat_tables(rows, "AMD EPYC, nproc 2")
-    print_spread(spread(rows), 1)
+    print_spread(spread_by_load(rows), 1)
     out = capsys.readouterr().out
     assert "llama.cpp" in out and "gguf-cluster" in out  # rich may wrap a title: not its whole text
 
@@ -271,12 +271,12 @@ def test_report_prints_each_repeat_and_the_spread_and_plots_both_loops(tmp_path,
         for repeat in (0, 1) for setup in factors for load in loads
     ])  # fmt: skip
     print_repeat_tables(rows, "AMD EPYC, nproc 2")
-    print_spread(spread(rows), 2)
+    print_spread(spread_by_load(rows), 2)
     out = capsys.readouterr().out
     assert "repeat 1/2" in out and "repeat 2/2" in out and "spread over 2 repeat(s)" in out
     assert "default-cluster" in out and "0.8 [0.8, 0.8]" in out
     path = tmp_path / "peers.png"
-    plot(spread(rows), loads, ["vllm", "default-cluster"], str(path))
+    plot(spread_by_load(rows), loads, ["vllm", "default-cluster"], str(path))
     assert path.stat().st_size > 0
 
 

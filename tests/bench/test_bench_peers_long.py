@@ -26,7 +26,7 @@ from pdserve.bench.peers.long_report import (
     requests,
 )
 from pdserve.bench.peers.long_scenario import LongScenario
-from pdserve.bench.peers.report import add_ratios, spread
+from pdserve.bench.peers.report import add_ratios, spread_by_load
 from tests.helpers.peers import requires_peer_venv
 from tests.helpers.processes import processes_mentioning
 
@@ -174,7 +174,7 @@ def test_goodput_ratio_compares_each_setup_with_vllm_in_the_same_repeat():
         cluster["goodput_req_per_s"] / vllm["goodput_req_per_s"]
     )
     assert rows[-1]["goodput_vs_vllm"] is None and rows[-1]["error"]
-    by_setup = {e["setup"]: e for e in spread(rows, SPREAD_METRICS)}
+    by_setup = {e["setup"]: e for e in spread_by_load(rows, SPREAD_METRICS)}
     assert by_setup["default-cluster"]["repeats"] == 2
     assert by_setup["default-cluster"]["goodput_vs_vllm_median"] == pytest.approx(cluster["goodput_vs_vllm"])
     assert by_setup["colocated"]["goodput_req_per_s_median"] is None
@@ -186,7 +186,7 @@ def test_report_prints_each_repeat_and_the_spread_and_plots_gaps_ttfts_and_goodp
         + [long_row(CLUSTER_STREAMS, CLUSTER_LONG, SLO, "default-cluster", r) for r in (0, 1)],
         ratios_of=RATIOS,
     )
-    spreads = spread(rows, SPREAD_METRICS)
+    spreads = spread_by_load(rows, SPREAD_METRICS)
     print_long_tables(rows, spreads, "AMD EPYC, nproc 2", SLO)
     out = capsys.readouterr().out
     assert "repeat 1/2" in out and "repeat 2/2" in out and "spread over 2 repeat(s)" in out

@@ -116,3 +116,18 @@ def test_lengths_file_is_read_and_bad_lines_are_refused(tmp_path):
 def test_static_batches_group_similar_lengths():
     workload = build_workload([(30, 5), (10, 50), (20, 5), (40, 20)], vocab_size=289, seed=0, source="t")
     assert length_sorted_batches(workload, 2) == [[2, 0], [3, 1]]
+
+
+def test_workload_summary_gives_each_lengths_spread_with_the_common_percentile():
+    lengths = [(10 * (i + 1), 16) for i in range(10)]  # prompts of 10, 20, ..., 100 tokens
+    summary = build_workload(lengths, vocab_size=289, seed=0, source="t").summary()
+    # p90: rank 9 * 0.9 = 8.1 between 90 and 100 (stats.percentile's linear interpolation)
+    assert summary["prompt_len"] == {
+        "min": 10,
+        "mean": 55.0,
+        "median": 55.0,
+        "p90": pytest.approx(91.0),
+        "max": 100,
+    }
+    assert summary["output_len"] == {"min": 16, "mean": 16.0, "median": 16.0, "p90": 16.0, "max": 16}
+    assert (summary["total_prompt_tokens"], summary["total_output_tokens"]) == (550, 160)

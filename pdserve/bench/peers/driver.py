@@ -74,7 +74,7 @@ from pdserve.bench.peers.report import (
     plot,
     print_repeat_tables,
     print_spread,
-    spread,
+    spread_by_load,
 )
 from pdserve.bench.peers.servers import (
     DEFAULT_GGUF_ENGINE_ARGS,
@@ -407,12 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     if scenario is None:
         rows = add_peer_ratios(rows)
         print_repeat_tables(rows, machine_line(machine))
-        spreads = spread(rows)
+        spreads = spread_by_load(rows)
         print_spread(spreads, args.repeats)
     else:
         rows = add_ratios(rows, ratios_of=long_report.RATIOS)
         rows = add_ratios(rows, baseline=LLAMACPP, ratios_of=long_report.LLAMACPP_RATIOS)
-        spreads = spread(rows, long_report.SPREAD_METRICS)
+        spreads = spread_by_load(rows, long_report.SPREAD_METRICS)
         long_report.print_long_tables(rows, spreads, machine_line(machine), scenario.slo)
     wall_s = time.monotonic() - started
     print(f"wall time {wall_s:.0f}s")

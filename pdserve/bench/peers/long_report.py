@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from pdserve.bench.common.stats import percentile
 from pdserve.bench.peers.report import fmt_cell, print_rich_table, print_row_warnings, spread_cell
 
 LOAD = "long"  # the rows' load name: one run of both clients per setup and repeat
@@ -95,10 +94,6 @@ def requests(result: dict[str, Any], kind: str) -> list[RequestTiming]:
     return out
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def long_row(
     streams: dict[str, Any], longs: dict[str, Any], slo: Slo, setup: str, repeat: int
 ) -> dict[str, Any]:
@@ -142,15 +137,15 @@ def long_row(
             for kind, done in (("streams", stream_ok), ("long", long_ok))
             for why in ("gap", "ttft")
         },  # fmt: skip
-        "stream_ttft_ms_p50": _percentile([r.ttft_ms for r in stream_ok], 50),
-        "stream_ttft_ms_p90": _percentile([r.ttft_ms for r in stream_ok], 90),
-        "stream_itl_ms_p50": _percentile(gaps, 50),
-        "stream_itl_ms_p99": _percentile(gaps, 99),
-        "stream_max_gap_ms_p50": _percentile(max_gaps, 50),
-        "stream_max_gap_ms_p90": _percentile(max_gaps, 90),
-        "long_ttft_ms_p50": _percentile(long_ttfts, 50),
+        "stream_ttft_ms_p50": percentile([r.ttft_ms for r in stream_ok], 50),
+        "stream_ttft_ms_p90": percentile([r.ttft_ms for r in stream_ok], 90),
+        "stream_itl_ms_p50": percentile(gaps, 50),
+        "stream_itl_ms_p99": percentile(gaps, 99),
+        "stream_max_gap_ms_p50": percentile(max_gaps, 50),
+        "stream_max_gap_ms_p90": percentile(max_gaps, 90),
+        "long_ttft_ms_p50": percentile(long_ttfts, 50),
         "long_ttft_ms_max": long_ttfts[-1] if long_ttfts else None,
-        "long_max_gap_ms_p50": _percentile([r.max_gap_ms for r in long_ok], 50),
+        "long_max_gap_ms_p50": percentile([r.max_gap_ms for r in long_ok], 50),
         "long_input_tokens": [r.input_tokens for r in long_reqs],
         "long_among_streams": among,
         "first_long_after_s": (
@@ -244,17 +239,12 @@ def print_long_tables(rows: Sequence[dict[str, Any]], spreads: Sequence[dict[str
 # ---------------------------------------------------------------------- plot
 
 
-def _cdf(ax: Any, values: Sequence[float], **style: Any) -> None:
-    ys = [(i + 1) / len(values) for i in range(len(values))]
-    ax.step(sorted(values), ys, where="post", **style)
-
-
 def plot_long(rows: Sequence[dict[str, Any]], spreads: Sequence[dict[str, Any]], setups: Sequence[str],
               slo: Slo, path: str) -> None:  # fmt: skip
     """The CDF of each stream's longest gap (left) and of the long prompts' TTFT (middle), one
     line per setup and repeat, the SLO dashed; the goodput per setup (right, median and the
     min-max bar over repeats, with the fraction of requests meeting the SLO)."""
-    from pdserve.bench.common.report import new_figure, save_figure
+    from pdserve.bench.common.report import new_figure, plot_cdf, save_figure
 
     fig, (gap_ax, ttft_ax, goodput_ax) = new_figure(1, 3, figsize=(17, 5))
     colors = {setup: f"C{i}" for i, setup in enumerate(setups)}
@@ -263,9 +253,9 @@ def plot_long(rows: Sequence[dict[str, Any]], spreads: Sequence[dict[str, Any]],
         style = {"color": colors.get(row["setup"], "k"), "linestyle": styles[row["repeat"] % len(styles)],
                  "label": f"{row['setup']} r{row['repeat'] + 1}"}  # fmt: skip
         if row.get("stream_max_gaps_ms"):
-            _cdf(gap_ax, row["stream_max_gaps_ms"], **style)
+            plot_cdf(gap_ax, row["stream_max_gaps_ms"], **style)
         if row.get("long_ttfts_ms"):
-            _cdf(ttft_ax, row["long_ttfts_ms"], **style)
+            plot_cdf(ttft_ax, row["long_ttfts_ms"], **style)
     for ax, limit, what in ((gap_ax, slo.itl_ms, "stream's longest inter-token gap (ms)"),
                             (ttft_ax, slo.long_ttft_ms, "long prompt's TTFT (ms)")):  # fmt: skip
         ax.axvline(limit, color="k", linestyle="--", linewidth=1, label=f"SLO {limit:g} ms")

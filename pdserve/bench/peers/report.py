@@ -9,10 +9,11 @@ file without starting a server.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from pdserve.bench.common.stats import spread
 
 BASELINE = "vllm"
 # {row key: key of `vllm bench serve --save-result` JSON}; the p90 keys exist because the client
@@ -131,9 +132,12 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return add_ratios(add_ratios(rows), baseline=LLAMACPP, ratios_of=LLAMACPP_RATIOS)
 
 
-def spread(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = SPREAD_METRICS) -> list[dict[str, Any]]:
-    """Per setup and load point, over the repeats: the median, min and max of each of ``metrics``
-    (None where no repeat has it), in first-seen order."""
+def spread_by_load(
+    rows: Sequence[dict[str, Any]], metrics: Sequence[str] = SPREAD_METRICS
+) -> list[dict[str, Any]]:
+    """Per setup and load point, over the repeats that have a finite value of it: the median, min
+    and max (``stats.spread``) of each of ``metrics`` (None where no repeat has it), in first-seen
+    order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}  # {(setup, load): rows of every repeat}
     for row in rows:
         groups.setdefault((row["setup"], row["load"]), []).append(row)
@@ -142,9 +146,9 @@ def spread(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = SPREAD_METRI
         entry: dict[str, Any] = {"setup": setup, "load": load, "repeats": len(group)}
         for metric in metrics:
             values = [r[metric] for r in group if r.get(metric) is not None and math.isfinite(r[metric])]
-            entry[f"{metric}_median"] = statistics.median(values) if values else None
-            entry[f"{metric}_min"] = min(values) if values else None
-            entry[f"{metric}_max"] = max(values) if values else None
+            spread_of = spread(values)
+            for stat in ("median", "min", "max"):
+                entry[f"{metric}_{stat}"] = None if spread_of is None else spread_of[stat]
         out.append(entry)
     return out
 
@@ -224,7 +228,8 @@ def print_row_warnings(rows: Sequence[dict[str, Any]], name: Callable[[dict[str,
 
 
 def spread_cell(entry: dict[str, Any], metric: str) -> str:
-    """``median [min, max]`` of ``metric`` in a ``spread`` entry (the median alone for one repeat)."""
+    """``median [min, max]`` of ``metric`` in a ``spread_by_load`` entry (the median alone for one
+    repeat)."""
     median = entry[f"{metric}_median"]
     if median is None or entry["repeats"] < 2:
         return fmt_cell(median)

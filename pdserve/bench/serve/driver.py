@@ -67,7 +67,7 @@ from pdserve.bench.serve.report import (
     print_report,
     print_spread_and_verdicts,
     request_record,
-    spread,
+    spread_by_rate,
     summarize,
     verdicts,
 )
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead = front_overhead(rows)
     if overhead:
         print_front_overhead(overhead)
-    spreads, claims = spread(rows), verdicts(rows, COLOCATED_SETUPS, "pd")
+    spreads, claims = spread_by_rate(rows), verdicts(rows, COLOCATED_SETUPS, "pd")
     print_spread_and_verdicts(spreads, claims, args.repeats)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "log_dir", "no_progress")}
     payload = {

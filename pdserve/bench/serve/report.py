@@ -2,7 +2,7 @@
 
 A request's record and a (setup, rate, repeat) row are plain dicts with the keys below; the
 JSON file holds them as they are, so the README's numbers can be recomputed from it. Over
-repeats, ``spread`` gives each key metric's min / median / max / mean / sd per (setup, rate),
+repeats, ``spread_by_rate`` gives each key metric's min / median / max / mean / sd per (setup, rate),
 and ``verdicts`` says where P/D beats (or loses to) the best colocated setup in every repeat.
 """
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdserve.bench.common.report import new_figure, print_table, save_figure
+from pdserve.bench.common.report import new_figure, plot_cdf, print_table, save_figure
+from pdserve.bench.common.stats import SPREAD_STATS, median, percentile, spread
 
 if TYPE_CHECKING:
     from pdserve.bench.serve.workload import RequestSpec
@@ -68,10 +69,6 @@ class RequestResult:
 # ---------------------------------------------------------------------- statistics
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
@@ -97,7 +94,7 @@ def request_record(
     ttft, e2e, itls = result.ttft_ms(), result.e2e_ms(), result.itls_ms()
     n = result.num_tokens
     ok = result.error is None and n > 0
-    itl_p90, itl_max = _pct(itls, 90), (max(itls) if itls else None)
+    itl_p90, itl_max = percentile(itls, 90), (max(itls) if itls else None)
     itl_judged = (itl_max if slo.slo_itl_stat == "max" else itl_p90) or 0.0
     meets = ok and ttft <= slo.slo_ttft_ms and itl_judged <= slo.slo_itl_ms
     record = {
@@ -151,12 +148,12 @@ def summarize(
     for metric, values in samples.items():
         row[f"{metric}_ms_mean"] = _mean(values)
         for q in (50, 90, 99):
-            row[f"{metric}_ms_p{q}"] = _pct(values, q)
+            row[f"{metric}_ms_p{q}"] = percentile(values, q)
     for stage in STAGES:
         values = [rec[f"{stage}_ms"] for rec in records if rec[f"{stage}_ms"] is not None]
         row[f"{stage}_ms_mean"] = _mean(values)
-        row[f"{stage}_ms_p50"] = _pct(values, 50)
-        row[f"{stage}_ms_p99"] = _pct(values, 99)
+        row[f"{stage}_ms_p50"] = percentile(values, 50)
+        row[f"{stage}_ms_p99"] = percentile(values, 99)
     assert set(row) == set(ROW_KEYS), set(row) ^ set(ROW_KEYS)
     return row
 
@@ -166,12 +163,12 @@ KEY_METRICS = {
     "goodput_req_per_s": +1, "ttft_ms_p50": -1, "ttft_ms_p99": -1,
     "itl_ms_p50": -1, "itl_ms_p99": -1, "e2e_ms_p50": -1,
 }  # fmt: skip
-SPREAD_STATS = ("min", "median", "max", "mean", "sd")
 
 
-def spread(rows: list[dict]) -> list[dict[str, Any]]:
-    """Per (setup, rate): each key metric's min / median / max / mean / sd over the repeats
-    (sd is the sample standard deviation, 0 with one repeat); None where a repeat had no value."""
+def spread_by_rate(rows: list[dict]) -> list[dict[str, Any]]:
+    """Per (setup, rate): each key metric's ``stats.spread`` over the repeats (min / median / max
+    / mean / sd, the sample standard deviation, 0 with one repeat); all None for a metric as soon
+    as one repeat had no value for it."""
     groups: dict[tuple[str, float], list[dict]] = {}  # {(setup, rate): [row per repeat]}
     for row in rows:
         groups.setdefault((row["setup"], row["rate"]), []).append(row)
@@ -180,17 +177,9 @@ def spread(rows: list[dict]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"setup": setup, "rate": rate, "repeats": len(mine)}
         for metric in KEY_METRICS:
             values = [r[metric] for r in mine]
-            if any(v is None for v in values):
-                entry.update({f"{metric}_{stat}": None for stat in SPREAD_STATS})
-                continue
+            spread_of = None if any(v is None for v in values) else spread(values)
             entry.update(
-                {
-                    f"{metric}_min": float(np.min(values)),
-                    f"{metric}_median": float(np.median(values)),
-                    f"{metric}_max": float(np.max(values)),
-                    f"{metric}_mean": float(np.mean(values)),
-                    f"{metric}_sd": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
-                }
+                {f"{metric}_{stat}": None if spread_of is None else spread_of[stat] for stat in SPREAD_STATS}
             )
         out.append(entry)
     return out
@@ -242,7 +231,7 @@ def verdicts(rows: list[dict], baselines: Sequence[str], candidate: str = "pd") 
                     "metric": metric,
                     "better": "higher" if direction > 0 else "lower",
                     "verdict": verdict,
-                    "pd_over_best_median": float(np.median(ratios)) if ratios else None,
+                    "pd_over_best_median": median(ratios),
                     "per_repeat": per_repeat,
                 }
             )
@@ -401,13 +390,6 @@ def print_front_overhead(overhead: list[dict]) -> None:
     print_table("OpenAI HTTP front vs gRPC front (ms, client clock, same processes)", table, list(columns))
 
 
-def _cdf(ax, values: list[float], label: str) -> None:
-    if not values:
-        return
-    xs = np.sort(values)
-    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
-
-
 def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[str], plot_dir: str,
              args: argparse.Namespace) -> list[str]:  # fmt: skip
     """Latency CDFs per rate (one line per setup, every repeat's samples pooled), goodput vs rate
@@ -418,7 +400,7 @@ def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[s
         fig, axes = new_figure(1, len(rates), figsize=(4.2 * len(rates), 3.6), squeeze=False)
         for ax, rate in zip(axes[0], rates, strict=True):
             for setup in setups:
-                _cdf(ax, samples.get((setup, rate, metric), []), setup)
+                plot_cdf(ax, samples.get((setup, rate, metric), []), label=setup)
             ax.axvline(slo, color="grey", linestyle=":", label="SLO")
             ax.set_xscale("log")
             ax.set_title(f"{rate:g} req/s")
@@ -437,7 +419,7 @@ def plot_all(rows: list[dict], samples: dict, rates: list[float], setups: list[s
             per_rate = [
                 [scale * (r[key] or 0.0) for r in rows if r["setup"] == setup and r["rate"] == x] for x in xs
             ]
-            mid = np.array([np.median(v) for v in per_rate])
+            mid = np.array([median(v) for v in per_rate])
             low = mid - np.array([min(v) for v in per_rate])
             high = np.array([max(v) for v in per_rate]) - mid
             ax.errorbar(xs, mid, yerr=[low, high], marker="o", capsize=3, label=setup)

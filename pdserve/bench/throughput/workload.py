@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.bench.common.stats import median, percentile
+
 MIN_LEN = 16
 # Lognormal (median, sigma) per length: mean = median * exp(sigma^2 / 2).
 PROMPT_LOGNORMAL = (130.0, 1.0)
@@ -59,8 +61,8 @@ def _stats(values: list[int]) -> dict:
     return {
         "min": ordered[0],
         "mean": statistics.fmean(ordered),
-        "median": statistics.median(ordered),
-        "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)],
+        "median": median(ordered),
+        "p90": percentile(ordered, 90),
         "max": ordered[-1],
     }
 
@@ -72,8 +74,8 @@ def sharegpt_like_lengths(
     rng = np.random.default_rng(seed)
 
     def draw(median_sigma: tuple[float, float], upper: int) -> np.ndarray:
-        median, sigma = median_sigma
-        values = np.rint(rng.lognormal(math.log(median), sigma, num_requests))
+        mid, sigma = median_sigma
+        values = np.rint(rng.lognormal(math.log(mid), sigma, num_requests))
         return np.clip(values, min(MIN_LEN, upper), upper).astype(int)
 
     prompts = draw(PROMPT_LOGNORMAL, max_prompt_len)
