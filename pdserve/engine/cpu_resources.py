@@ -24,9 +24,6 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-# CPU flags (as /proc/cpuinfo spells them) that mean bf16 matmuls run natively: x86's AVX512-BF16
-# and AMX-BF16, Arm's BF16 extension.
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -172,27 +169,24 @@ def configure_torch_threads(requested: int = 0) -> int:
     return threads
 
 
+# The CPU's feature flags are read by pdserve/kernels/cpu/features.py, whose builds of the C kernels
+# are keyed by them. The three functions below import it at the call: importing the kernels
+# package imports torch, which this module's other users (the engine's front process, ``pdserve
+# cluster``) do without.
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags (x86 ``flags``, Arm ``Features``), empty where unreadable."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    """The CPU's feature flags (``features.cpu_flags()``)."""
+    from pdserve.kernels.cpu import features
 
-
-def native_bf16_flags(flags: frozenset[str] | None = None) -> list[str]:
-    """Which of ``NATIVE_BF16_FLAGS`` the CPU (or ``flags``) has."""
-    flags = cpu_flags() if flags is None else flags
-    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+    return features.cpu_flags(cpuinfo)
 
 
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
-    return bool(native_bf16_flags(flags))
+    """Whether the CPU (or ``flags``) multiplies bf16 natively (``features.has_native_bf16()``)."""
+    from pdserve.kernels.cpu import features
+
+    return features.has_native_bf16(flags)
 
 
 def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
@@ -200,6 +194,8 @@ def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> str:
     other name is returned as it is."""
     if name != "auto":
         return name
+    from pdserve.kernels.cpu.features import native_bf16_flags
+
     native = native_bf16_flags(flags)
     chosen = "bfloat16" if native else "float32"
     logger.info(

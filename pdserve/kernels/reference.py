@@ -2,7 +2,7 @@
 
 These are what the CPU engine path runs, and what the Triton kernels are tested against.
 
-KV cache layout (one tensor per engine, see ``pdserve.engine.kv_layout``)::
+KV cache layout (one tensor per engine, see the engine's ``kv_layout.py``)::
 
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pdserve.engine.cpu_resources import cpu_flags
+from pdserve.kernels.cpu.features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
