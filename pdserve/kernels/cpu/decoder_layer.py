@@ -10,7 +10,9 @@ a forced ``PDSERVE_KERNELS`` backend) keeps the per-op path, which computes the 
 (``decoder_layer.c`` says where they may differ).
 
 The layer's constants (weights' pointers, shapes) are marshalled once into a ``PreparedLayer``
-kept by the layer; a step marshals only its tensors.
+kept by the layer; a step marshals only its tensors. What a step's attention metadata must hold
+is ``DecodeMetadata`` (the engine's ``AttentionMetadata`` has it): this module knows no engine
+class.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -27,8 +29,23 @@ from pdserve.kernels.cpu import paged_attention as cpu_attention
 from pdserve.kernels.cpu.build import CLibrary
 from pdserve.kernels.cpu.quant import BlockKind
 
-if TYPE_CHECKING:
-    from pdserve.engine.model.attention import AttentionMetadata
+
+class DecodeMetadata(Protocol):
+    """What the fused layer reads of a decode pass's attention metadata (the engine's
+    ``AttentionMetadata`` satisfies it): how many of the pass's tokens are decodes, where each
+    token's K/V goes, and each decoding sequence's blocks and length."""
+
+    @property
+    def num_decode_tokens(self) -> int: ...  # the first num_decode_tokens tokens are decodes
+
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...  # [num_tokens] int64: each token's cache slot
+
+    @property
+    def decode_block_tables(self) -> torch.Tensor: ...  # [num_decodes, max_blocks] int32
+
+    @property
+    def decode_seq_lens(self) -> torch.Tensor: ...  # [num_decodes] int32, incl. the new token
 
 
 class LayerArgs(ctypes.Structure):
@@ -152,7 +169,7 @@ def serves(
     hidden: torch.Tensor,
     cos: torch.Tensor,
     kv_cache_layer: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: DecodeMetadata,
     max_rows: int,
 ) -> bool:
     """True when ``decoder_layer`` runs this call: every token a decode, 1 to ``max_rows`` of
@@ -203,7 +220,7 @@ class FusedPass:
         cos: torch.Tensor,  # [rows, 1, head_dim], the activations' dtype
         sin_signed: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta: DecodeMetadata,
     ) -> None:
         self.layers = layers
         self.cos, self.sin_signed = cos.contiguous(), sin_signed.contiguous()
@@ -252,7 +269,7 @@ def decoder_layer(
     cos: torch.Tensor,  # [rows, 1, head_dim], hidden's dtype
     sin_signed: torch.Tensor,
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, kv_heads, head_dim]
-    meta: AttentionMetadata,
+    meta: DecodeMetadata,
 ) -> torch.Tensor:  # [rows, hidden]: the layer's output (hidden itself is not changed)
     """The layer over ``hidden`` as one C call; the step's K and V go into the cache as the
     per-op path writes them. (A pass over many layers: ``FusedPass``.)"""
