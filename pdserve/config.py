@@ -22,7 +22,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # blocks made at load (pdserve.engine.model.weights.quantize_int8); "auto" (the default) serves a GGUF
 # file's blocks as they are where the kernels run (pdserve.engine.model.loader.resolve_quantization).
 # The "-a8" modes hold the weights the same way and, opt-in, quantize the activations to int8 per
-# 32 inside the decode matmuls (llama.cpp's Q8_1; pdserve/kernels/cpu/csrc/int8_activations.c).
+# 32 inside the decode matmuls (llama.cpp's Q8_1; pdserve/kernels/cpu/csrc/quants_a8.c).
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "gguf-a8", "int8-a8")
 INT8_ACTIVATIONS_SUFFIX = "-a8"
 # Set the defaults of ``--dtype`` / ``LLM(dtype=...)`` and ``--quantization`` for every engine

@@ -1,4 +1,4 @@
-"""Weight blocks interleaved 16 rows at a time against bf16 activations (``kernels/cpu/csrc/bf16_x16.c``).
+"""Weight blocks interleaved 16 rows at a time against bf16 activations (``kernels/cpu/csrc/repack_bf16.c``).
 
 A bf16 ``gguf`` model holds its Q4_1 projections and its Q8_0 LM head so where the CPU has
 AVX512-BF16. The kernel must compute what the dequantize-then-matmul reference does to the

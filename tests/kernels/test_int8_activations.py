@@ -1,4 +1,4 @@
-"""The int8-activation matmuls (``--quantization gguf-a8 / int8-a8``, ``kernels/cpu/csrc/int8_activations.c``).
+"""The int8-activation matmuls (``--quantization gguf-a8 / int8-a8``, ``kernels/cpu/csrc/quants_a8.c``).
 
 They quantize x per block of 32 (llama.cpp's Q8_1, scales in fp32) and take integer dots with
 the weights' blocks. The float64 reference (``cpu_quant.quant_matmul_a8_ref``) computes the same

@@ -1,4 +1,4 @@
-"""Weights interleaved 16 rows at a time for the int8-activation kernel (``kernels/cpu/csrc/int8_x16.c``).
+"""Weights interleaved 16 rows at a time for the int8-activation kernel (``kernels/cpu/csrc/repack_a8.c``).
 
 ``--quantization gguf-a8 / int8-a8`` holds its projections so on CPUs with AVX512-VNNI. The
 layout moves the blocks' own bytes (undone exactly by ``deinterleave_rows``), the kernel computes

@@ -1,11 +1,16 @@
-"""The CPU engine's C kernels (``kernels/cpu/*.c``): each source built once per machine, and loaded.
+"""The CPU engine's C kernels (``kernels/cpu/csrc/``): each library built once per machine, and loaded.
 
-A source is compiled at first use with the host's C compiler and ``-march=native`` into
-``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by the source, the compiler and the
-CPU's flags, so a machine of another kind builds its own copy. The kernels are called through
-``ctypes`` on tensors' data pointers: they need no torch headers, which would cost a minute of
-compile time per build. Where no compiler is found, or the build fails, ``available()`` is False
-and the callers run their torch reference (correct, slower); the reason is logged once.
+The sources are laid out as ggml-cpu's: a family of kernels is ``csrc/<family>.c`` and, beside
+it, ``csrc/arch/x86/<family>.c`` where it has kernels in x86 vector instructions of its own. A
+library is one or more families (``sources``) linked together.
+
+A library is compiled at first use with the host's C compiler and ``-march=native`` into
+``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by its sources, every header, the
+compiler and the CPU's flags, so a machine of another kind builds its own copy. The kernels are
+called through ``ctypes`` on tensors' data pointers: they need no torch headers, which would
+cost a minute of compile time per build. Where no compiler is found, or the build fails,
+``available()`` is False and the callers run their torch reference (correct, slower); the
+reason is logged once.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+INCLUDES = ["-I", str(SOURCES)]  # csrc/arch/*/ include csrc's headers by name
 LIBS = ["-lm"]
 
 
@@ -47,15 +53,30 @@ def cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
 
 
+def sources(*families: str) -> list[Path]:
+    """The C files of ``families``: for each, ``csrc/<family>.c`` and its ISA variants
+    ``csrc/arch/<arch>/<family>.c`` (each compiles to nothing where the build's instruction
+    sets lack what it needs)."""
+    found = []
+    for family in families:
+        found.append(SOURCES / f"{family}.c")
+        found.extend(sorted(SOURCES.glob(f"arch/*/{family}.c")))
+    return found
+
+
+def _files_key(paths: Sequence[Path]) -> bytes:
+    """Each file's path under csrc/ and its bytes: a renamed file changes the key too."""
+    return b"".join(str(path.relative_to(SOURCES)).encode() + b"\0" + path.read_bytes() for path in paths)
+
+
 def build(sources: Sequence[Path], cc: str) -> Path:
-    """Compile ``sources`` into one shared library once per (sources and the headers beside
-    them, compiler, CPU) and return its path; the library is named after the first source."""
+    """Compile ``sources`` into one shared library once per (sources, every header under csrc/,
+    compiler, CPU, flags) and return its path; the library is named after the first source."""
     source = sources[0]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        b"".join(path.read_bytes() for path in sources)
-        + headers
+        _files_key(sources)
+        + _files_key(sorted(SOURCES.rglob("*.h")))
         + version.encode()
         + " ".join(sorted(cpu_flags())).encode()
         + " ".join(CFLAGS + LIBS).encode()
@@ -67,7 +88,7 @@ def build(sources: Sequence[Path], cc: str) -> Path:
     # Build beside the target and rename: engines starting together never load a half-written file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *CFLAGS, *map(str, sources), "-o", partial, *LIBS]
+    cmd = [cc, *CFLAGS, *INCLUDES, *map(str, sources), "-o", partial, *LIBS]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         os.unlink(partial)
@@ -80,8 +101,9 @@ def build(sources: Sequence[Path], cc: str) -> Path:
 
 
 class CLibrary:
-    """One source of ``kernels/cpu/`` (with ``links``: the other sources whose functions it
-    calls, linked into the same library), built and loaded on first use (once per process).
+    """The families of kernels ``families`` (``sources``: the first one's, and those of the
+    families whose functions it calls, linked into the same library), built and loaded on first
+    use (once per process).
 
     ``declare`` sets the loaded library's functions' ``argtypes`` and ``restype``; ``purpose``
     names what falls back to the torch reference when the library cannot be had.
@@ -89,12 +111,11 @@ class CLibrary:
 
     def __init__(
         self,
-        source_name: str,
+        families: Sequence[str],
         declare: Callable[[ctypes.CDLL], None],
         purpose: str,
-        links: Sequence[str] = (),
     ) -> None:
-        self.sources = [SOURCES / name for name in (source_name, *links)]
+        self.sources = sources(*families)
         self.declare = declare
         self.purpose = purpose
         self._lock = threading.Lock()

@@ -26,7 +26,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_causal_attention_bf16.restype = cint
 
 
-KERNELS = CLibrary("causal_attention.c", _declare, "causal prefill attention")
+KERNELS = CLibrary(("causal_attention",), _declare, "causal prefill attention")
 NOT_HERE = -2  # the C side's "does not run here": no AVX512-BF16, or a head_dim it does not take
 
 

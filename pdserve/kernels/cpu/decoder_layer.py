@@ -26,6 +26,7 @@ import torch
 
 from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
 from pdserve.kernels.cpu import paged_attention as cpu_attention
+from pdserve.kernels.cpu import quant as cpu_quant
 from pdserve.kernels.cpu.build import CLibrary
 from pdserve.kernels.cpu.quant import BlockKind
 
@@ -83,18 +84,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 KERNELS = CLibrary(
-    "decoder_layer.c",
-    _declare,
-    "fused decoder layer",
-    links=(
-        "quant_matmul.c",
-        "int8_activations.c",
-        "int8_vnni.c",
-        "int8_x16.c",
-        "bf16_x16.c",
-        "layer_ops.c",
-        "paged_attention.c",
-    ),
+    ("decoder_layer", *cpu_quant.FAMILIES, "layer_ops", "paged_attention"), _declare, "fused decoder layer"
 )
 
 

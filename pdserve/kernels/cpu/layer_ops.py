@@ -35,7 +35,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_silu_mul.restype = None
 
 
-KERNELS = CLibrary("layer_ops.c", _declare, "layer ops (RMSNorm, RoPE, KV write, SiLU x up)")
+KERNELS = CLibrary(("layer_ops",), _declare, "layer ops (RMSNorm, RoPE, KV write, SiLU x up)")
 
 
 def serves(x: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_paged_attention_vector_lanes.restype = cint
 
 
-KERNELS = CLibrary("paged_attention.c", _declare, "paged decode attention")
+KERNELS = CLibrary(("paged_attention",), _declare, "paged decode attention")
 
 
 @functools.cache

@@ -1,8 +1,11 @@
-"""The CPU kernels for GGUF-block weights (``kernels/cpu/csrc/quant_matmul.c``), and their torch reference.
+"""The CPU kernels for GGUF-block weights, and their torch reference.
 
-The C source is built and loaded by ``cpu_build`` (at first use, ``-march=native``, cached per
-machine); where it cannot be, ``available()`` is False and the quantized modules fall back to
-the torch reference here (correct, slower).
+The C kernels are four families of ``kernels/cpu/csrc/`` (``FAMILIES``): ``quants.c``, row-major
+blocks against fp32 or bf16 activations; ``quants_a8.c``, against activations quantized to int8;
+``repack_a8.c`` and ``repack_bf16.c``, blocks repacked 16 rows at a time, against int8 and bf16
+ones. They are built into one library and loaded by ``cpu_build`` (at first use,
+``-march=native``, cached per machine); where it cannot be, ``available()`` is False and the
+quantized modules fall back to the torch reference here (correct, slower).
 
 Block layouts are GGUF's: ``Q8_0`` as it is (fp16 d, 32 int8: 34 bytes a block of 32 weights);
 ``Q4_1`` (fp16 d, fp16 m, 16 bytes of nibbles: 20 bytes) with each row's bytes regrouped as
@@ -30,8 +33,8 @@ class BlockKind(IntEnum):
     """The block layouts the kernels read (the values are the C side's ``kind``).
 
     ``Q4_1_X16`` / ``Q8_0_X16``: the same blocks interleaved 16 rows at a time
-    (``interleave_rows``; ``kernels/cpu/csrc/int8_x16.c`` has the layout), which the int8-activation
-    kernel and the bf16 one (``kernels/cpu/csrc/bf16_x16.c``) multiply; the dequantization decodes
+    (``interleave_rows``; ``kernels/cpu/csrc/repack_a8.c`` has the layout), which the int8-activation
+    kernel and the bf16 one (``kernels/cpu/csrc/repack_bf16.c``) multiply; the dequantization decodes
     both. Made at load for ``--quantization gguf-a8 / int8-a8`` where the CPU has AVX512-VNNI
     (``x16_route``), and for a bf16 model's block-held projections and LM head where it has
     AVX512-BF16 (``bf16_x16_route``).
@@ -70,12 +73,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_quant_bf16_x16_route.restype = cint
 
 
-KERNELS = CLibrary(
-    "quant_matmul.c",
-    _declare,
-    "quantized-weight matmuls",
-    links=("int8_activations.c", "int8_vnni.c", "int8_x16.c", "bf16_x16.c"),
-)
+# The families of kernels this library links (build.sources): row-major blocks against float and
+# int8 activations, and blocks repacked 16 rows at a time against int8 and bf16 ones.
+FAMILIES = ("quants", "quants_a8", "repack_a8", "repack_bf16")
+KERNELS = CLibrary(FAMILIES, _declare, "quantized-weight matmuls")
 
 
 def library() -> ctypes.CDLL:
@@ -96,7 +97,7 @@ def x16_route() -> bool:
 
 def bf16_x16_route() -> bool:
     """True when the interleaved kinds against bf16 activations run a vector kernel here
-    (AVX512-BF16: ``kernels/cpu/csrc/bf16_x16.c``), so that a bf16 model's block-held projections and
+    (AVX512-BF16: ``kernels/cpu/csrc/repack_bf16.c``), so that a bf16 model's block-held projections and
     LM head are interleaved only where that pays."""
     return available() and bool(library().pd_quant_bf16_x16_route())
 
@@ -127,7 +128,7 @@ def quant_matmul(
     ``checked``: the blocks were validated when their holder was made (``QuantLinear``), so the
     per-step call skips it (at one row the Python around the kernel is a fifth of its time).
     ``int8_activations``: x is quantized to int8 per block of 32 first (llama.cpp's Q8_1, see
-    ``kernels/cpu/csrc/int8_activations.c``; ``quant_matmul_a8_ref`` says what it computes)."""
+    ``kernels/cpu/csrc/quants_a8.c``; ``quant_matmul_a8_ref`` says what it computes)."""
     if not checked:
         check_blocks(kind, blocks, in_features)
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -255,7 +256,7 @@ def interleave_rows(
     kind: BlockKind, blocks: torch.Tensor, in_features: int
 ) -> tuple[BlockKind, torch.Tensor]:
     """``(Q4_1_X16 or Q8_0_X16, blocks)``: the rows of a plain kind interleaved 16 at a time, as
-    ``kernels/cpu/csrc/int8_x16.c`` lays them out; the same bytes (Q8_0's weights plus 128), moved:
+    ``kernels/cpu/csrc/repack_a8.c`` lays them out; the same bytes (Q8_0's weights plus 128), moved:
     ``[rows, row_bytes]`` as before, so sizes and row counts read the same."""
     check_blocks(kind, blocks, in_features)
     if kind.interleaved:

@@ -1,6 +1,6 @@
 /*
  * GGUF's weight blocks as the CPU kernels hold them (the layouts are described in
- * quant_matmul.c's header), and fp16 -> fp32 for their scales. Included by each C source that
+ * quants.c's header), and fp16 -> fp32 for their scales. Included by each C source that
  * reads blocks; the build's cache key covers this header too (pdserve/kernels/cpu/build.py).
  */
 #ifndef PDSERVE_BLOCKS_H
@@ -16,8 +16,8 @@
 #define Q8_0_BYTES 34  /* fp16 d, 32 int8 */
 
 /* The kinds of block rows (pdserve/kernels/cpu/quant.py's BlockKind): Q4_1 and Q8_0 as
- * quant_matmul.c's header lays them out, and the same blocks interleaved 16 rows at a time for
- * the int8-activation kernels of int8_x16.c (its header has the layout). */
+ * quants.c's header lays them out, and the same blocks interleaved 16 rows at a time for
+ * the int8-activation kernels of repack_a8.c (its header has the layout). */
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_1_X16 = 2, KIND_Q8_0_X16 = 3 };
 #define X16 16 /* weight rows an interleaved group holds */
 
@@ -58,7 +58,7 @@ static inline int x16_words(int kind) { return plain_kind(kind) == KIND_Q4_1 ? 4
 
 /* Block b of weight row n of an interleaved (x16) matrix of K inputs, as its plain kind holds it:
  * Q4_1's 16 nibble bytes or Q8_0's 32 int8 into qs, its fp16 scale d and minimum m (0 for
- * Q8_0). Where the plain loops of int8_x16.c and bf16_x16.c and the dequantization of single
+ * Q8_0). Where the plain loops of repack_a8.c and repack_bf16.c and the dequantization of single
  * rows read them. */
 static inline void x16_block(int kind, const uint8_t *w, int64_t K, int64_t n, int64_t b, uint8_t *qs, uint16_t *d,
                              uint16_t *m) {
@@ -72,6 +72,6 @@ static inline void x16_block(int kind, const uint8_t *w, int64_t K, int64_t n, i
     if (kind == KIND_Q4_1_X16)
         memcpy(m, scales + 2 * X16 + 2 * lane, 2);
     else
-        for (int j = 0; j < QK; j++) qs[j] ^= 0x80; /* stored plus 128 (int8_x16.c) */
+        for (int j = 0; j < QK; j++) qs[j] ^= 0x80; /* stored plus 128 (repack_a8.c) */
 }
 #endif

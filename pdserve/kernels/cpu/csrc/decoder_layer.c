@@ -1,6 +1,6 @@
 /*
  * A whole Llama decoder layer for a batch of decode tokens, as one call: the layer the model's
- * torch code runs op by op (pdserve/engine/model/llama.py), over weights held as GGUF blocks.
+ * torch code runs op by op (the model's llama.py), over weights held as GGUF blocks.
  *
  * Why: at one sequence a decode step of SmolLM2-135M is 30 layers of a dozen small ops each
  * (norms, four projections, RoPE and the KV write, attention, SiLU, residual adds). Each op was

@@ -8,27 +8,27 @@
 #define PDSERVE_KERNELS_H
 #include <stdint.h>
 
-/* quant_matmul.c */
+/* quants.c */
 int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     void *y, int y_is_bf16, int threads);
 
-/* int8_activations.c */
+/* quants_a8.c */
 int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                        void *y, int y_is_bf16, int threads);
 
-/* int8_vnni.c (AVX512-VNNI CPUs only) */
+/* arch/x86/quants_a8.c (AVX512-VNNI CPUs only) */
 void int8_quad_order(const int8_t *q, int64_t M, int64_t K, int8_t *out, int64_t quad_stride);
 void int8_q8_0_x(const int8_t *q, int64_t M, int64_t K, int8_t *out, int32_t *start, int64_t padded);
 void a8_vnni_matmul(int kind, const int8_t *q, const int32_t *start, int64_t q_stride, const float *d, const float *s,
                     int64_t stride, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                     int threads);
 
-/* int8_x16.c */
+/* repack_a8.c */
 int a8_x16_matmul(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M, int64_t K,
                   const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
 int pd_quant_x16_route(void);
 
-/* bf16_x16.c */
+/* repack_bf16.c */
 int bf16_x16_matmul(int kind, const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, void *y,
                     int y_is_bf16, int threads);
 int pd_quant_bf16_x16_route(void);

@@ -22,7 +22,7 @@
  * head_dim a multiple of 8. Elsewhere, a portable loop (one task per sequence and KV head, `omp simd` reductions). Tasks are split
  * between OpenMP threads.
  *
- * Cache layout (pdserve/engine/kv_layout.py): a layer's view [num_blocks, 2 (K, V), block_size,
+ * Cache layout (the engine's kv_layout.py): a layer's view [num_blocks, 2 (K, V), block_size,
  * num_kv_heads, head_dim], contiguous within a block. Built at first use with the host compiler
  * and -march=native (pdserve/kernels/cpu/build.py).
  */
@@ -30,7 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "avx2.h"
+#include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "vexp.h"

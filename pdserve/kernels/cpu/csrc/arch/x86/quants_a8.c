@@ -1,6 +1,6 @@
 /*
  * The int8-activation Q4_1 matmul on CPUs with AVX512-VNNI (AMD Zen 4/5, Intel Ice Lake on):
- * the arithmetic of int8_activations.c (y = sum_b dw d (q . xq) + m s, x quantized per block of
+ * the arithmetic of quants_a8.c (y = sum_b dw d (q . xq) + m s, x quantized per block of
  * 32 there), four blocks a step.
  *
  * Why: vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each four products into

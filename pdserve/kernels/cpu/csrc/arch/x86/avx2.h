@@ -21,7 +21,7 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 /* vpdpbusd on 512 bits (AMD Zen 4/5, Intel Ice Lake on): the int8-activation kernels of
- * int8_vnni.c, for Q4_1 and Q8_0 alike. */
+ * arch/x86/quants_a8.c, for Q4_1 and Q8_0 alike. */
 #define HAS_AVX512_VNNI 1
 #endif
 #include <immintrin.h>
@@ -40,7 +40,7 @@ static inline float hsum_avx2(__m256 v) {
 }
 
 /* At Q4_1 block b, a multiple of 8: the scales of blocks b.. into d8, and their minima's part
- * (sum m[b] * xsum[b], see quant_matmul.c's header) into each row's accumulator, so that no second pass
+ * (sum m[b] * xsum[b], see quants.c's header) into each row's accumulator, so that no second pass
  * over the row is needed (it cost a fifth of the time at one row of x). Returns the block that
  * d8's lane 0 holds. Near the row's end the window of 8 is moved back to end at its last
  * block, inside the row (reading past it could read past the tensor), with the blocks already

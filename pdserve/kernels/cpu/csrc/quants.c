@@ -8,7 +8,7 @@
  *         row as [all qs: K / 2 bytes][all d: K / 32 fp16][all m: K / 32 fp16], so that the
  *         nibbles of consecutive blocks, and 16 blocks' scales, are each one vector load;
  *   Q8_0: GGUF's own blocks, fp16 d then int8 qs[32] (34 bytes / 32 weights), w[j] = d * qs[j].
- * Q4_0 and Q4_K are converted to Q4_1 at load (see pdserve/engine/model/gguf_blocks.py).
+ * Q4_0 and Q4_K are converted to Q4_1 at load (the model loader's gguf_blocks.py).
  *
  * Three routes, each taken for every batch size it serves, so that a row's result does not
  * depend on what it is batched with:
@@ -42,7 +42,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "avx2.h"
+#include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
@@ -629,7 +629,7 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
                     void *y, int y_is_bf16, int threads) {
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
-    if (is_x16(kind)) /* interleaved rows: against bf16 x only (bf16_x16.c) */
+    if (is_x16(kind)) /* interleaved rows: against bf16 x only (repack_bf16.c) */
         return x_is_bf16 ? bf16_x16_matmul(kind, (const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads) : -2;
 #if defined(__AVX512BF16__)
     if (kind == 0 && x_is_bf16) {

@@ -2,10 +2,10 @@
  * The int8-activation matmuls over weights interleaved 16 rows at a time (kinds Q4_1_X16 and
  * Q8_0_X16, made at load by pdserve/kernels/cpu/quant.py's interleave_rows for
  * --quantization gguf-a8 / int8-a8 on CPUs with AVX512-VNNI): the arithmetic of
- * int8_activations.c (x quantized per block of 32, y = sum_b dw d (q . xq) + m s), with 16
+ * quants_a8.c (x quantized per block of 32, y = sum_b dw d (q . xq) + m s), with 16
  * output rows in the 16 int32 lanes of one vector.
  *
- * Why: the row-major kernels (int8_vnni.c) put a block's dot in a few lanes of a vector, so per
+ * Why: the row-major kernels (arch/x86/quants_a8.c) put a block's dot in a few lanes of a vector, so per
  * block and row they pay a permute of the scales, a conversion and an fma, and per output row a
  * horizontal sum; at eight rows of x their SmolLM2-135M matmuls took 13.7 ms a step on one Zen 5
  * core, five times the time to read the weights. Interleaved, lane r of every vector is weight
@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "avx2.h"
+#include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
@@ -42,7 +42,7 @@
  * block's 8 weight vectors. */
 #define X16_ROWS 8
 
-/* x quantized (int8_activations.c): q [M, K] natural order, d and s [M, stride], and for Q8_0
+/* x quantized (quants_a8.c): q [M, K] natural order, d and s [M, stride], and for Q8_0
  * each block's starting sum, -128 * sum(q) ([M, blocks]). */
 typedef struct {
     const int8_t *q;

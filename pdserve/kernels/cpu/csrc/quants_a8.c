@@ -1,6 +1,6 @@
 /*
  * Quantized-weight matmuls with int8 activations: y[M, N] = x[M, K] @ W[N, K]^T, W in GGUF's
- * blocks (the layouts of quant_matmul.c), x quantized per block of 32 first. Opt-in
+ * blocks (the layouts of quants.c), x quantized per block of 32 first. Opt-in
  * (--quantization gguf-a8 / int8-a8): pd_quant_matmul keeps x in its dtype.
  *
  * Why: on a CPU without AVX-512 (the AMD Zen 3 here) the fp32-activation kernel is bound by its
@@ -23,7 +23,7 @@
  * went from 1.88 to 1.25 ns a block; streamed from memory, from 1.5-1.6x to 1.33-1.43x the time of
  * a pure read of their bytes (one core of the AMD EPYC Zen 3 here).
  *
- * On CPUs with AVX512-VNNI both run on 512-bit vpdpbusd instead (int8_vnni.c): Q4_1 four blocks
+ * On CPUs with AVX512-VNNI both run on 512-bit vpdpbusd instead (arch/x86/quants_a8.c): Q4_1 four blocks
  * a step, Q8_0 two.
  *
  * A row's sum runs the same way whatever M is (one chain of fmas a block; Q4_1's minima into
@@ -35,7 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "avx2.h"
+#include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
@@ -93,7 +93,7 @@ static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, in
         }
 }
 
-#if defined(HAS_AVX2) && !defined(HAS_AVX512_VNNI) /* with VNNI, int8_vnni.c takes both kinds */
+#if defined(HAS_AVX2) && !defined(HAS_AVX512_VNNI) /* with VNNI, arch/x86/quants_a8.c takes both kinds */
 /* x's int8 [M, K] in the order pair_q4_1_a8 reads two Q4_1 blocks in: for blocks 2p and 2p + 1,
  * their first halves (elements 0-15 of each), then their second halves (16-31). A row's last
  * block, when its count is odd, stays as it is. */
@@ -348,7 +348,7 @@ static void matmul_a8_plain(int kind, const int8_t *q, const float *d, const flo
 #endif
 
 #if defined(HAS_AVX512_VNNI)
-/* The 512-bit vpdpbusd kernels of int8_vnni.c over x quantized into q (natural order), d and s:
+/* The 512-bit vpdpbusd kernels of arch/x86/quants_a8.c over x quantized into q (natural order), d and s:
  * Q4_1 reads x in quad order, Q8_0 padded, with its lanes' starting sums. Returns 0, or -1 when
  * a buffer could not be allocated. */
 static int matmul_a8_vnni(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M,
@@ -382,13 +382,13 @@ static int matmul_a8_vnni(int kind, const int8_t *q, const float *d, const float
 /*
  * y[M, N] = x[M, K] @ W^T with x quantized to int8 per block of 32 (the header). kind 0: Q4_1
  * rows, 1: Q8_0 blocks, as pd_quant_matmul takes them, 2 and 3 the same interleaved by 16 rows
- * (int8_x16.c; N a multiple of 16); x and y bf16 (flag 1) or fp32 (flag 0),
+ * (repack_a8.c; N a multiple of 16); x and y bf16 (flag 1) or fp32 (flag 0),
  * contiguous; K a multiple of 32. Returns 0, or -1 when its buffers could not be allocated
  * (nothing written then).
  */
 int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                        void *y, int y_is_bf16, int threads) {
-    const int64_t blocks = K / QK, stride = (blocks + 15) / 16 * 16; /* int8_vnni.c reads 16 at a time */
+    const int64_t blocks = K / QK, stride = (blocks + 15) / 16 * 16; /* arch/x86/quants_a8.c reads 16 at a time */
     if (M <= 0 || N <= 0) return 0; /* nothing to compute (and malloc(0) may return NULL) */
     int8_t *q = (int8_t *)malloc((size_t)(M * K));
     float *d = (float *)calloc((size_t)(M * stride), sizeof(float));
@@ -401,7 +401,7 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
     }
     quantize_rows(x, x_is_bf16, M, K, q, d, s, stride);
     int status = 0;
-    if (is_x16(kind)) { /* rows interleaved by 16 (int8_x16.c) */
+    if (is_x16(kind)) { /* rows interleaved by 16 (repack_a8.c) */
         status = a8_x16_matmul(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
     } else {
 #if defined(HAS_AVX512_VNNI)

@@ -1,9 +1,9 @@
 /*
- * Interleaved weight blocks (kinds Q4_1_X16 and Q8_0_X16, int8_x16.c's layout: 16 rows at a
+ * Interleaved weight blocks (kinds Q4_1_X16 and Q8_0_X16, repack_a8.c's layout: 16 rows at a
  * time) against bf16 activations, on CPUs with AVX512-BF16: the decode matmuls and the LM head
  * of --quantization gguf (the default) in bf16.
  *
- * Why: the row-major routes (quant_matmul.c) leave a block's dot in the lanes of one vector, so
+ * Why: the row-major routes (quants.c) leave a block's dot in the lanes of one vector, so
  * per output row and row of x they pay a horizontal sum, and decode a weight row's block again
  * for every tile of rows of x: SmolLM2-135M's layer matrices took 15.5 ms a decode step at 8
  * sequences on one Zen 5 core, six times the time to read them, and its Q8_0 LM head 1.0 ms at
@@ -46,7 +46,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "avx2.h"
+#include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
