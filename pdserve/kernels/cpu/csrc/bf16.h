@@ -7,6 +7,7 @@
 #define PDSERVE_BF16_H
 #include <stdint.h>
 #include <string.h>
+#include "isa.h"
 
 static inline float bf16_to_fp32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -22,8 +23,7 @@ static inline uint16_t fp32_to_bf16(float f) { /* round to nearest even, as torc
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
 }
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if PD_HAS_AVX512
 /* 16 bf16 from src as fp32 (exact: the bits moved up). */
 static inline __m512 bf16x16_to_fp32(const uint16_t *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
@@ -52,7 +52,7 @@ static inline __m512 round_bf16x16(__m512 v) {
 /* 16 fp32 as bf16, each rounded as fp32_to_bf16 rounds one. */
 static inline __m256i fp32x16_to_bf16(__m512 v) {
     const __m512i chosen = bf16x16_high_bits(v);
-#if defined(__AVX512BW__)
+#if PD_HAS_AVX512_BW
     /* The high halves gathered by one vpermw rather than vpmovdw, which GCC folds into the store
      * (a slow form on AMD Zen 4/5): SiLU x up of 512 rows in bf16 on one Zen 5 core, 365 -> 346 us. */
     const __m512i high_halves = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27,

@@ -7,9 +7,7 @@
 #define PDSERVE_BLOCKS_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define QK 32          /* weights a block */
 #define Q4_1_BYTES 20  /* fp16 d, fp16 m, 16 bytes of nibbles */
@@ -22,7 +20,7 @@ enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_1_X16 = 2, KIND_Q8_0_X16 = 3 };
 #define X16 16 /* weight rows an interleaved group holds */
 
 static inline float fp16_to_fp32(uint16_t h) {
-#if defined(__F16C__)
+#if PD_HAS_F16C
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;

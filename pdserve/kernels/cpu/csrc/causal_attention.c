@@ -27,13 +27,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "isa.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "vexp.h"
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#if PD_HAS_AVX512_BF16
 
 #define QUERY_ROWS 4 /* query rows a pass over the packed keys and values serves */
 #define MAX_DIM_VECS 8 /* head_dim up to 128: 4 rows x 8 accumulators of 16 dims */
@@ -169,7 +169,7 @@ QUERY_ROWS_FNS(128)
 int pd_causal_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
                              float scale, uint16_t *out, int64_t out_stride, int threads) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
     if (D % 32 != 0 || D > 16 * MAX_DIM_VECS || Hkv <= 0 || Hq % Hkv != 0) return -2;
     if (L <= 0) return 0;
     if (threads < 1) threads = 1;

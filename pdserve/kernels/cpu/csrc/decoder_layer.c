@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "isa.h"
 #include "bf16.h"
 #include "kernels.h"
 

@@ -21,21 +21,18 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "isa.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "vexp.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 /* v rounded to the dtype (bf16 values are exact in fp32). */
 static inline float round_to(int is_bf16, float v) { return is_bf16 ? bf16_to_fp32(fp32_to_bf16(v)) : v; }
 
 #define MAX_DIM 16384
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if PD_HAS_AVX512_BW_VL
 /* 16 lanes at a time: the same per-element arithmetic as the scalar loops, so the same bits. */
-#define VEC16 1
 
 /* round_to for 16 lanes (bf16.h's round_bf16x16 where the dtype is bf16). */
 static inline __m512 round_to16(int is_bf16, __m512 v) { return is_bf16 ? round_bf16x16(v) : v; }
@@ -67,7 +64,7 @@ static inline void store_lanes16(void *a, int is_bf16, int64_t i, __mmask16 lane
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
                  int64_t dim, float eps, int is_bf16) {
     float s[MAX_DIM];
-#if defined(VEC16)
+#if PD_HAS_AVX512_BW_VL
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = r * dim;
         for (int64_t j = 0; j < dim; j += 16) {
@@ -140,7 +137,7 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
     float x[MAX_DIM];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t trig = r * head_dim;
-#if defined(VEC16)
+#if PD_HAS_AVX512_BW_VL
         if (half % 16 == 0 && head_dim <= 256) { /* each half whole vectors: swapped is a vector too */
             __m512 c[16], sn[16];
             const int64_t nvec = head_dim / 16, half_vecs = half / 16;
@@ -198,7 +195,7 @@ void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int6
  * Why in C: as a scalar loop over expf inside the fused layer it was 9% of an 8-sequence decode
  * step of SmolLM2-135M on one Zen 5 core (1.3 ms of 14).
  */
-#if defined(VEC16)
+#if PD_HAS_AVX512_BW_VL
 static inline __m512 silu_mul16(__m512 g, __m512 up, int is_bf16) {
     const __m512 minus_abs = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g));
     /* 0 where exp's clamp would leave 2^-126 (a SiLU of g < -87 is -0 in bf16, as torch has it) */
@@ -209,7 +206,7 @@ static inline __m512 silu_mul16(__m512 g, __m512 up, int is_bf16) {
     return _mm512_mul_ps(round_to16(is_bf16, silu), up);
 }
 #define SILU_LANES 16
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif PD_HAS_AVX2_FMA
 static inline __m256 silu_mul8(__m256 g, __m256 up, int is_bf16) {
     const __m256 zero = _mm256_setzero_ps();
     const __m256 minus_abs = _mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g));

@@ -30,14 +30,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "isa.h"
 #include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "vexp.h"
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 /* for (t = 0; t < len; t++) with `offset` the element offset of position t's row in the cache
  * (its block from the table, plus `extra`): walked block by block, without a division per
@@ -66,7 +64,7 @@ static inline void load_row(const void *cache, int is_bf16, int64_t offset, int 
     }
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if PD_HAS_AVX512 || PD_ROUTE_AVX2
 /* Ask for `bytes` from `from` on. The next block is anywhere in the cache (the engine's blocks
  * lie a block of every layer apart), where the hardware prefetcher cannot guess it: asked for a
  * block's work ahead, it is on its way before it is read (8 sequences x 257 tokens, 30 layers
@@ -123,7 +121,7 @@ static inline void prefetch_next_half(const void *kv, int64_t elem, const int32_
 }
 #endif
 
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
 #define MAX_VECS (MAX_HEAD_DIM / 16)
 #define MAX_SPECIAL_SUMS 24 /* registers the special cases of values_of_block keep their sums in */
 
@@ -140,7 +138,7 @@ static inline __attribute__((always_inline)) void load_vecs(const void *cache, i
     }
 }
 
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
 /* The 16 sums of lanes of p[0..15], in order: a transposed reduction (48 adds and shuffles for
  * 16 sums, against about 8 each for _mm512_reduce_add_ps). */
 static inline __m512 sum_lanes_16(__m512 *p) {
@@ -238,7 +236,7 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
     for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
     __m512 row[MAX_VECS];
     const int64_t num_blocks = (len + block_size - 1) / block_size, elem = kv_is_bf16 ? 2 : 4;
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
     if (qbf != NULL && kv_is_bf16 && head_dim % 32 == 0) {
         /* bf16 query and keys: vdpbf16ps on them as they are, 16 positions' dots summed at once. */
         __m512 max_of[MAX_HEADS];
@@ -313,7 +311,7 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
 }
 #endif
 
-#if defined(AVX2_ROUTE)
+#if PD_ROUTE_AVX2
 #define MAX_VECS8 (MAX_HEAD_DIM / 8)
 
 /* One position's K or V row of nvec * 8 values as fp32 vectors. */
@@ -476,9 +474,9 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
 /* The vector width of the sequence-at-a-time path (16: AVX-512, 8: AVX2), 0 where only the
  * portable loop was built; head_dim must be a multiple of it. */
 int pd_paged_attention_vector_lanes(void) {
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
     return 16;
-#elif defined(AVX2_ROUTE)
+#elif PD_ROUTE_AVX2
     return 8;
 #else
     return 0;
@@ -502,8 +500,8 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;       /* one position, all KV heads */
     const int64_t half_stride = block_size * token_stride;      /* a block's K (or V) */
-#if defined(__AVX512F__) || defined(AVX2_ROUTE)
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512 || PD_ROUTE_AVX2
+#if PD_HAS_AVX512
     const int64_t lanes = 16;
 #else
     const int64_t lanes = 8;
@@ -521,7 +519,7 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
                 load_row(q, q_is_bf16, (s * num_heads + h) * head_dim, (int)head_dim, qs + h * head_dim);
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] *= scale;
             }
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
             decode_seq_avx512(qs, q_is_bf16 ? (const uint16_t *)q + s * num_heads * head_dim : NULL, scale, num_heads, num_kv_heads, (int)(head_dim / 16), kv, kv_is_bf16,
                               block_tables + s * max_blocks, seq_lens[s], block_size, block_stride, half_stride,
                               token_stride, mine, accs);

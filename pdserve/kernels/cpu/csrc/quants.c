@@ -36,20 +36,18 @@
  * d (q . x) + m sum x): two multiply-adds a weight fewer than decoding d q + m first.
  *
  * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu/quant.py);
- * the AVX-512 or AVX2 path is chosen by the compiler's own feature macros, and plain C runs
- * anywhere else.
+ * the AVX-512 or AVX2 path is chosen by what the build's instruction sets are (isa.h), and plain
+ * C runs anywhere else.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "isa.h"
 #include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #define ROWS_PER_TILE 8
 #define LUT_ROWS_PER_TILE 4
@@ -101,7 +99,7 @@ static inline BlockRef block_of(int kind, const uint8_t *w, const uint8_t *w_row
 
 /* Decode one block into two halves of 16 fp32 weights (elements 0-15 and 16-31), from its bytes:
  * Q4_1's 16 nibble bytes in `first`, or Q8_0's 32 int8 in `first` and `second`. */
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
 static inline void decode_bytes(int kind, __m128i first, __m128i second, uint16_t d16, uint16_t m16, __m512 *lo,
                                 __m512 *hi) {
     __m512 d = _mm512_set1_ps(fp16_to_fp32(d16));
@@ -126,7 +124,7 @@ static inline void decode_block(int kind, BlockRef ref, __m512 *lo, __m512 *hi) 
 
 /* 32 decoded weights to out[at...] in fp32 or bf16. */
 static inline void store_block(void *out, int out_is_bf16, int64_t at, __m512 lo, __m512 hi) {
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
     /* one vcvtne2ps2bf16 for the 32 (nearest even, as put_f32x16 rounds; it flushes denormals,
      * which a block's d q + m cannot be: fp16 d and m make every weight 0 or a multiple of
      * 2^-24), so the bits are put_f32x16's. SmolLM2's 120 layer matrices into fresh bf16
@@ -235,7 +233,7 @@ static inline void decode_scalar(int kind, BlockRef ref, float *w) {
  * into a switch on constant (kind, rows), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void row_dots(int kind, const uint8_t *w_row, int64_t blocks,
                                                            const float *x, int64_t K, int rows, float *dot) {
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
     /* Each row's sum runs the same way whatever the tile's size (two chains: weights 0-15 and
      * 16-31 of every block), so a request's logits do not depend on what it is batched with. */
     __m512 acc_lo[ROWS_PER_TILE], acc_hi[ROWS_PER_TILE];
@@ -265,7 +263,7 @@ static inline __attribute__((always_inline)) void row_dots(int kind, const uint8
 #endif
 }
 
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
 /* The bf16 path: each block decoded once to bf16 (d * q + m rounded as a dense bf16 copy of the
  * same weights would be), then one vdpbf16ps (32 multiply-adds) per row of x. Twice the fp32
  * path's arithmetic per instruction, which is what batches of 2-8 rows are bound by. */
@@ -303,7 +301,7 @@ static inline __attribute__((always_inline)) void row_dots_bf16(int kind, const 
 DEFINE_ROWS_DISPATCH(row_dots_bf16_dispatch, row_dots_bf16, uint16_t)
 #endif
 
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
 /* The lut route (Q4_1, bf16 x, a few rows). x is given rearranged per pair of blocks as
  * [b: 0-15][b+1: 0-15][b: 16-31][b+1: 16-31] (so one zero-extended load of two blocks' nibble
  * bytes lines up with it), and xsum[r][b] is the sum of row r's x over block b (for m). */
@@ -398,11 +396,11 @@ static void lut_matmul(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
 }
 #endif
 
-#if !defined(AVX2_ROUTE)
+#if !PD_ROUTE_AVX2
 DEFINE_ROWS_DISPATCH(row_dots_dispatch, row_dots, float)
 #endif
 
-#if defined(AVX2_ROUTE)
+#if PD_ROUTE_AVX2
 /*
  * The avx2 route decodes a block's weights lane-wise, with no shuffles: its bytes are read as
  * 32-bit lanes, and each lane's nibble (or byte) is masked (or shifted) out where it lies, then
@@ -631,7 +629,7 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
     const int64_t row_bytes = blocks * block_bytes(kind);
     if (is_x16(kind)) /* interleaved rows: against bf16 x only (repack_bf16.c) */
         return x_is_bf16 ? bf16_x16_matmul(kind, (const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads) : -2;
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
     if (kind == 0 && x_is_bf16) {
         lut_matmul((const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads);
         return 0;
@@ -651,7 +649,7 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
 #endif
     float *owned;
     const float *xf = widen(x, x_is_bf16, M * K, &owned);
-#if defined(AVX2_ROUTE)
+#if PD_ROUTE_AVX2
     (void)row_bytes;
     avx2_matmul(kind, xf, M, K, w, N, y, y_is_bf16, threads);
 #else
@@ -682,7 +680,7 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
     const int plain = plain_kind(kind);
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
     if (is_x16(kind) && rows == NULL) {
         dequant_x16_all(kind, w, K, out, out_is_bf16, count, threads);
         return;
@@ -693,7 +691,7 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
         const int64_t n = rows ? rows[i] : i;
         const uint8_t *w_row = w + n * row_bytes;
         uint8_t gathered[QK]; /* an interleaved row's block, as its plain kind holds it */
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
         for (int64_t b = 0; b < blocks; b++) {
             __m512 lo, hi;
             decode_block(plain, block_of(kind, w, w_row, K, n, b, gathered), &lo, &hi);

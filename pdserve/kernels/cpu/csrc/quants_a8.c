@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "isa.h"
 #include "arch/x86/avx2.h"
 #include "bf16.h"
 #include "blocks.h"
@@ -56,7 +57,7 @@ static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, in
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t first = r * K + b * QK;
-#if defined(__AVX512F__)
+#if PD_HAS_AVX512
             __m512 lo, hi;
             if (x_is_bf16) {
                 lo = bf16x16_to_fp32((const uint16_t *)x + first);
@@ -93,7 +94,7 @@ static void quantize_rows(const void *x, int x_is_bf16, int64_t M, int64_t K, in
         }
 }
 
-#if defined(HAS_AVX2) && !defined(HAS_AVX512_VNNI) /* with VNNI, arch/x86/quants_a8.c takes both kinds */
+#if PD_HAS_AVX2 && !PD_HAS_AVX512_VNNI /* with VNNI, arch/x86/quants_a8.c takes both kinds */
 /* x's int8 [M, K] in the order pair_q4_1_a8 reads two Q4_1 blocks in: for blocks 2p and 2p + 1,
  * their first halves (elements 0-15 of each), then their second halves (16-31). A row's last
  * block, when its count is odd, stays as it is. */
@@ -313,7 +314,7 @@ static void matmul_a8(int kind, QuantizedX x, int64_t M, const uint8_t *w, int64
         }
     }
 }
-#elif !defined(HAS_AVX512_VNNI)
+#elif !PD_HAS_AVX512_VNNI
 /* Without AVX2: the same arithmetic, a block at a time in plain C. */
 static void matmul_a8_plain(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M,
                             int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
@@ -347,7 +348,7 @@ static void matmul_a8_plain(int kind, const int8_t *q, const float *d, const flo
 }
 #endif
 
-#if defined(HAS_AVX512_VNNI)
+#if PD_HAS_AVX512_VNNI
 /* The 512-bit vpdpbusd kernels of arch/x86/quants_a8.c over x quantized into q (natural order), d and s:
  * Q4_1 reads x in quad order, Q8_0 padded, with its lanes' starting sums. Returns 0, or -1 when
  * a buffer could not be allocated. */
@@ -404,9 +405,9 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
     if (is_x16(kind)) { /* rows interleaved by 16 (repack_a8.c) */
         status = a8_x16_matmul(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
     } else {
-#if defined(HAS_AVX512_VNNI)
+#if PD_HAS_AVX512_VNNI
         status = matmul_a8_vnni(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
-#elif defined(HAS_AVX2)
+#elif PD_HAS_AVX2
         if (kind == 0) pair_order(q, M, K);
         const QuantizedX quantized = {q, d, s, stride, K};
         matmul_a8(kind, quantized, M, w, N, y, y_is_bf16, threads);

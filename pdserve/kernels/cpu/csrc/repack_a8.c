@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "arch/x86/avx2.h"
+#include "isa.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
@@ -75,8 +75,7 @@ static void x16_plain(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N,
         }
 }
 
-#if defined(HAS_AVX512_VNNI)
-#include <immintrin.h>
+#if PD_HAS_AVX512_VNNI
 
 /* Bytes ahead of the block being read that are asked for (the groups follow each other). In a
  * whole decode step at one sequence (bench step, gguf-a8 bf16, one Zen 5 core): 8 KB 3.32-3.46
@@ -197,7 +196,7 @@ int a8_x16_matmul(int kind, const int8_t *q, const float *d, const float *s, int
         }
     }
     const X16In x = {q, d, s, start, K, stride};
-#if defined(HAS_AVX512_VNNI)
+#if PD_HAS_AVX512_VNNI
     x16_vnni(kind, x, M, w, N, y, y_is_bf16, threads);
 #else
     x16_plain(kind, x, M, w, N, y, y_is_bf16, threads);
@@ -209,7 +208,7 @@ int a8_x16_matmul(int kind, const int8_t *q, const float *d, const float *s, int
 /* 1 when the interleaved kinds run the vector kernel here (else the plain loop: correct, slow),
  * so that the loader interleaves only where that pays. */
 int pd_quant_x16_route(void) {
-#if defined(HAS_AVX512_VNNI)
+#if PD_HAS_AVX512_VNNI
     return 1;
 #else
     return 0;

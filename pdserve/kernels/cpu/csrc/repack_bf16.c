@@ -46,7 +46,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "arch/x86/avx2.h"
+#include "isa.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
@@ -143,8 +143,7 @@ static void bf16_x16_plain(int kind, const uint16_t *x, const uint16_t *xs, cons
         }
 }
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
+#if PD_HAS_AVX512_BF16
 
 /* (v & 0x000F000F) | base in each lane: one vpternlogd (A & B) | C. */
 static inline __m512bh nibble_pair(__m512i v, __m512i mask, __m512i base) {
@@ -317,7 +316,7 @@ int bf16_x16_matmul(int kind, const uint16_t *x, int64_t M, int64_t K, const uin
         return -1;
     }
     prepare_x(kind, x, M, K, xs, xsum);
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
     if (q4)
         bf16_x16_q4_1(xs, xsum, M, K, w, N, y, y_is_bf16, threads);
     else
@@ -332,7 +331,7 @@ int bf16_x16_matmul(int kind, const uint16_t *x, int64_t M, int64_t K, const uin
 
 /* 1 when bf16 x against the interleaved kinds runs the vector kernel here (AVX512-BF16). */
 int pd_quant_bf16_x16_route(void) {
-#if defined(__AVX512BF16__)
+#if PD_HAS_AVX512_BF16
     return 1;
 #else
     return 0;

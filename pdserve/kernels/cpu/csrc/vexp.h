@@ -6,6 +6,7 @@
  */
 #ifndef PDSERVE_VEXP_H
 #define PDSERVE_VEXP_H
+#include "isa.h"
 
 /* Cephes' expf: x = n ln2 + r (ln2 in two parts, so that r keeps its bits), |r| <= ln2 / 2, a
  * degree-6 polynomial for e^r, then times 2^n. Below EXP_MIN the result would leave the normal
@@ -21,9 +22,7 @@
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
+#if PD_HAS_AVX512
 /* exp(x) for x <= 0 (scores minus their maximum), 16 at a time, 2^n by vscalefps: within 2 ulp
  * of expf; below -87.3 the result is 0's neighbour 2^-126 or less, as expf's would be. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -43,9 +42,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
+#if PD_HAS_AVX2_FMA
 /* The same, 8 at a time, with 2^n built in the exponent field (n >= -126 after the clamp, so it
  * stays a normal number). */
 static inline __m256 exp_nonpositive8(__m256 x) {

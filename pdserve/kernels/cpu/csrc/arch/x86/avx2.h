@@ -1,30 +1,20 @@
 /*
- * What the CPU kernels' AVX2 code shares. AVX2_ROUTE: the fp32-activation routes of CPUs with
- * AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older Intel); HAS_AVX2: AVX2 is there at all (AVX-512
- * CPUs too), which the int8-activation kernels need. Both are set from -march=native's feature
- * macros. Included by each C source beside it; the build's cache key covers it.
+ * What the CPU kernels' AVX2 code shares (PD_HAS_AVX2, isa.h: AVX-512 CPUs use it too): the
+ * quantized kernels' fp32 route of CPUs without AVX-512 (PD_ROUTE_AVX2) and their int8-activation
+ * kernels, and the paged attention's AVX2 route. Included by the C sources that use it; the
+ * build's cache key covers it.
  */
 #ifndef PDSERVE_AVX2_H
 #define PDSERVE_AVX2_H
 #include <stdint.h>
+#include "isa.h"
 
 /* How far ahead of its reads a pass along one weight row prefetches: the LM head (Q8_0, one
  * output row at a time, 30 MB streamed) took 3.8 ns a block without, 3.1-3.2 with 4-8 KB ahead
  * (512 B: no change); one core of the Zen 3 here, best of 3. */
 #define ROW_PREFETCH_BYTES 4096
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 instructions are there (on AVX-512 CPUs too): the int8-activation kernels use them. */
-#define HAS_AVX2 1
-#if !defined(__AVX512F__)
-#define AVX2_ROUTE 1
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-/* vpdpbusd on 512 bits (AMD Zen 4/5, Intel Ice Lake on): the int8-activation kernels of
- * arch/x86/quants_a8.c, for Q4_1 and Q8_0 alike. */
-#define HAS_AVX512_VNNI 1
-#endif
-#include <immintrin.h>
+#if PD_HAS_AVX2
 #include "blocks.h"
 
 /* All ones from lane `skip` on (skip 0-8): loadu of LANE_MASKS + 8 - skip (the window of 8

@@ -28,14 +28,14 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "isa.h"
 #include "avx2.h"
 #include "blocks.h"
 #include "bf16.h"
 #include "kernels.h"
 #include <omp.h>
 
-#if defined(HAS_AVX512_VNNI)
-#include <immintrin.h>
+#if PD_HAS_AVX512_VNNI
 
 /* Weight rows a tile serves at one row of x (independent chains hide the latency), and rows of x
  * a tile serves otherwise (each holds an accumulator and a scale vector: 16 of 32 registers). */
