@@ -1,8 +1,10 @@
 """The CPU engine's C kernels (``kernels/cpu/csrc/``): each library built once per machine, and loaded.
 
-The sources are laid out as ggml-cpu's: a family of kernels is ``csrc/<family>.c`` and, beside
-it, ``csrc/arch/x86/<family>.c`` where it has kernels in x86 vector instructions of its own. A
-library is one or more families (``sources``) linked together.
+The sources are laid out as ggml-cpu's: a family of kernels is ``csrc/<family>.c`` (its entry
+points and its portable C) and, where it has them, ``csrc/arch/x86/<family>.c`` (the same kernels
+in x86 vector instructions), each native function the twin of a portable ``NAME_generic`` that
+``csrc/arch_fallback.h`` puts in its place where the build lacks the instructions it needs
+(``csrc/isa.h`` says which a build has). A library is one or more families (``sources``).
 
 A library is compiled at first use with the host's C compiler and ``-march=native`` into
 ``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by its sources, every header, the

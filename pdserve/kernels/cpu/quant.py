@@ -67,10 +67,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_quant_dequant.restype = None
     lib.pd_quant_matmul_a8.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
     lib.pd_quant_matmul_a8.restype = cint
-    lib.pd_quant_x16_route.argtypes = []
-    lib.pd_quant_x16_route.restype = cint
-    lib.pd_quant_bf16_x16_route.argtypes = []
-    lib.pd_quant_bf16_x16_route.restype = cint
+    lib.pd_repack_a8_route.argtypes = []
+    lib.pd_repack_a8_route.restype = cint
+    lib.pd_repack_bf16_route.argtypes = []
+    lib.pd_repack_bf16_route.restype = cint
 
 
 # The families of kernels this library links (build.sources): row-major blocks against float and
@@ -92,14 +92,14 @@ def available() -> bool:
 def x16_route() -> bool:
     """True when the interleaved kinds run a vector kernel here (AVX512-VNNI), so that the loader
     interleaves only where that pays (elsewhere their plain C loop is correct, and slow)."""
-    return available() and bool(library().pd_quant_x16_route())
+    return available() and bool(library().pd_repack_a8_route())
 
 
 def bf16_x16_route() -> bool:
     """True when the interleaved kinds against bf16 activations run a vector kernel here
     (AVX512-BF16: ``kernels/cpu/csrc/repack_bf16.c``), so that a bf16 model's block-held projections and
     LM head are interleaved only where that pays."""
-    return available() and bool(library().pd_quant_bf16_x16_route())
+    return available() and bool(library().pd_repack_bf16_route())
 
 
 def check_blocks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> None:

@@ -41,7 +41,7 @@
  * Q4_1, 1 Q8_0, as pd_quant_matmul takes them); norms and the bias are in the activations'
  * dtype. int8_activations: the projections quantize their x to int8 (pd_quant_matmul_a8,
  * --quantization gguf-a8) instead of keeping it in the dtype (pd_quant_matmul). */
-typedef struct {
+struct PdDecoderLayer {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     const void *input_norm, *post_norm; /* [hidden] */
@@ -49,7 +49,7 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down;
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
     int32_t int8_activations;
-} PdDecoderLayer;
+};
 
 /* pd_quant_matmul, or pd_quant_matmul_a8 when the layer's activations go to int8. Returns 0, or
  * what the kernel returned otherwise (-1: its buffers could not be allocated). */

@@ -1,7 +1,7 @@
 /*
  * exp for softmax, 16 at a time (AVX-512) or 8 (AVX2 + FMA): shared by the decode attention
- * (paged_attention.c) and the prefill one (causal_attention.c). Both widths run the same Cephes
- * expf steps with the constants below. Included by each C source beside it; the build's cache
+ * (arch/x86/paged_attention.c), the prefill one (arch/x86/causal_attention.c) and layer_ops.c's
+ * SiLU. Both widths run the same Cephes expf steps with the constants below. The build's cache
  * key covers this header too (pdserve/kernels/cpu/build.py).
  */
 #ifndef PDSERVE_VEXP_H
