@@ -217,6 +217,8 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
         }
         for (int64_t h = 0; h < num_heads; h++) maxes[h] = _mm512_reduce_max_ps(max_of[h]);
     } else
+#else
+    (void)qbf, (void)scale; /* the bf16 scores' arguments: unused without AVX512-BF16 */
 #endif
     for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
         const int64_t positions = min64(len - first, block_size), base = (int64_t)table[block] * block_stride;
