@@ -128,3 +128,16 @@ def test_the_cache_key_covers_every_header_and_the_flags(monkeypatch, tmp_path):
     assert cpu_build.cache_key(sources, "cc 1.0") == first
     monkeypatch.setattr(cpu_build, "WARNINGS", [*cpu_build.WARNINGS, "-Wshadow"])
     assert cpu_build.cache_key(sources, "cc 1.0") != first
+
+
+def test_pdserve_kernel_march_builds_for_another_cpu_under_its_own_key(monkeypatch):
+    """``PDSERVE_KERNEL_MARCH=x86-64-v3`` builds the AVX2 paths (tests on an AVX-512 machine), as
+    a library of its own beside the native one."""
+    monkeypatch.delenv(cpu_build.MARCH_ENV, raising=False)
+    sources = cpu_build.sources("quants")
+    assert "-march=native" in cpu_build.flags()
+    native = cpu_build.cache_key(sources, "cc 1.0")
+    monkeypatch.setenv(cpu_build.MARCH_ENV, "x86-64-v3")
+    assert cpu_build.target_march() == "x86-64-v3"
+    assert "-march=x86-64-v3" in cpu_build.flags() and "-march=native" not in cpu_build.flags()
+    assert cpu_build.cache_key(sources, "cc 1.0") != native

@@ -8,10 +8,14 @@ in x86 vector instructions), each native function the twin of a portable ``NAME_
 
 A library is compiled at first use with the host's C compiler and ``-march=native`` into
 ``~/.cache/pdserve/kernels/<hash>/`` (about a second), keyed by its sources, every header, the
-compiler and the CPU's flags, so a machine of another kind builds its own copy. The kernels are
-called through ``ctypes`` on tensors' data pointers: they need no torch headers, which would
-cost a minute of compile time per build. Where no compiler is found, or the build fails,
-``available()`` is False and the callers run their torch reference (correct, slower); the
+compiler, the CPU's flags and the build's, so a machine of another kind builds its own copy.
+``PDSERVE_KERNEL_MARCH`` names another ``-march`` (``target_march()``): ``x86-64-v3`` builds the
+paths of a CPU with AVX2 and no AVX-512 on any CPU that has AVX2, so that they can be tested on
+an AVX-512 machine; ``x86-64`` the portable C alone.
+
+The kernels are called through ``ctypes`` on tensors' data pointers: they need no torch headers,
+which would cost a minute of compile time per build. Where no compiler is found, or the build
+fails, ``available()`` is False and the callers run their torch reference (correct, slower); the
 reason is logged once.
 """
 
@@ -37,6 +41,7 @@ CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c11"]
 # Warnings on: the sources build without one on every instruction set they have a path for
 # (tests/kernels hold that with -Werror); here a compiler's new warning is logged, not fatal.
 WARNINGS = ["-Wall", "-Wextra", "-Wundef"]
+MARCH_ENV = "PDSERVE_KERNEL_MARCH"
 INCLUDES = ["-I", str(SOURCES)]  # csrc/arch/*/ include csrc's headers by name
 LIBS = ["-lm"]
 
@@ -58,10 +63,16 @@ def cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
 
 
-def flags(march: str = "native") -> list[str]:
-    """The compiler's flags of a build for ``-march=<march>``: all but its paths, and all in the
-    build's cache key."""
-    return [*CFLAGS, f"-march={march}", *WARNINGS, "-shared"]
+def target_march() -> str:
+    """The ``-march`` the libraries are built for: ``$PDSERVE_KERNEL_MARCH``, else ``native``
+    (read at each build; a process loads each library once)."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def flags(march: str | None = None) -> list[str]:
+    """The compiler's flags of a build for ``-march=<march>`` (default ``target_march()``): all but
+    its paths, and all in the build's cache key."""
+    return [*CFLAGS, f"-march={march or target_march()}", *WARNINGS, "-shared"]
 
 
 def sources(*families: str) -> list[Path]:
