@@ -21,7 +21,7 @@
  * softmax in fp32 (its maximum subtracted, exp_nonpositive), the probabilities rounded to bf16
  * for the values' product, the sums in fp32, divided by the fp32 sum of the unrounded
  * probabilities, and the output rounded to bf16 (nearest even). A row's keys past its own
- * position are left out (causal). tests/kernels/test_causal_attention.py holds it to SDPA.
+ * position are left out (causal). tests/kernels/cpu/test_causal_attention.py holds it to SDPA.
  *
  * The kernel needs AVX512-BF16: pd_causal_attention_bf16 here is the native twin of
  * causal_attention.c's pd_causal_attention_bf16_generic, which says "not here" (-2) so that the

@@ -111,7 +111,7 @@ def _compile_id(case: tuple) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker side: runs in a subprocess (``python tests/kernels/test_kernel_triton.py MODE CASE_ID...``).
+# Worker side: runs in a subprocess (``python tests/kernels/triton/test_ops.py MODE CASE_ID...``).
 # ----------------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from pdserve import kernels
 from pdserve.kernels import reference
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import paged_attention as cpu_attention
+from pdserve.kernels.cpu.features import cpu_flags
 
 # Only a missing compiler skips: a source that fails to build must fail here, not fall back quietly.
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler here")
@@ -98,8 +99,6 @@ def test_the_dispatcher_runs_it_for_bf16_caches_and_fp32_ones_its_vectors_take(m
 
 def test_the_vector_path_fits_this_cpu():
     """16 lanes with AVX-512, 8 with AVX2 (and FMA): a machine of either kind runs its own."""
-    from pdserve.engine.cpu_resources import cpu_flags
-
     flags = cpu_flags()
     expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 0
     assert cpu_attention.vector_lanes() == expected

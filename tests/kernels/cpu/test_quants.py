@@ -1,4 +1,4 @@
-"""The quantized-weight CPU kernels against a dequantize-then-matmul reference, per block type.
+"""The quantized-weight CPU kernels (``kernels/cpu/csrc/quants.c``) against dequantize-then-matmul.
 
 GGUF blocks come from ``gguf``'s own quantizer where it has one (Q8_0, Q4_0, Q4_1) and from
 random bytes with sane scales otherwise (Q4_K), and ``gguf.quants.dequantize`` of the same bytes
