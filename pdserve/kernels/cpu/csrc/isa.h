@@ -9,7 +9,7 @@
  *   PD_HAS_F16C          fp16 <-> fp32 in one instruction: blocks.h's fp16_to_fp32.
  *   PD_HAS_AVX2_FMA      8 fp32 lanes with fma: vexp.h's exp_nonpositive8, layer_ops.c's SiLU.
  *   PD_HAS_AVX2          AVX2, FMA and F16C (AVX-512 CPUs have them too): the quantized kernels'
- *                        AVX2 code (arch/x86/avx2.h, the int8-activation kernels).
+ *                        AVX2 code (arch/x86/avx2.h; arch/x86/quants_a8.c's int8 kernels).
  *   PD_HAS_AVX512        AVX-512 Foundation, 16 fp32 or int32 lanes: the AVX-512 paths.
  *   PD_HAS_AVX512_BW     ... with 16-bit lanes (vpermw): bf16.h's fp32x16_to_bf16.
  *   PD_HAS_AVX512_BW_VL  ... with 16-bit lanes and AVX-512 on 256 bits (masked bf16 loads and
@@ -20,8 +20,9 @@
  *                        on): the int8-activation kernels.
  * Routes, where a source picks one of exclusive paths:
  *   PD_ROUTE_AVX2        AVX2 (PD_HAS_AVX2) and no AVX-512 (AMD Zen 2/3, older Intel): the 8-lane
- *                        fp32 paths of quants.c and paged_attention.c; with AVX-512 the 16-lane
- *                        ones run instead.
+ *                        fp32 paths of arch/x86/quants.c and arch/x86/paged_attention.c; with
+ *                        AVX-512 the 16-lane ones run instead.
+ * Where a build lacks what a kernel's x86 version needs, its portable twin runs (arch_fallback.h).
  */
 #ifndef PDSERVE_ISA_H
 #define PDSERVE_ISA_H

@@ -16,6 +16,9 @@
  * reduction, whose lanes depend on the CPU, vs 8 lanes here): the scale may differ by a
  * rounding. In bf16 the norm is bit-identical (its rounding to bf16 absorbs that).
  *
+ * Unlike the kernels beside it, this file has no arch/x86 twin: its 16-lane (PD_HAS_AVX512_BW_VL)
+ * and 8-lane (PD_HAS_AVX2_FMA, isa.h) branches sit inside loops whose scalar code they share
+ * (RoPE's other head sizes and the KV write, SiLU's last lanes), which a twin would duplicate.
  * Built at first use with the host compiler and -march=native (pdserve/kernels/cpu/build.py).
  */
 #include <math.h>
