@@ -174,7 +174,7 @@ def install_blocks(
     elif model.lm_head is None and isinstance(embed, QuantEmbedding):
         model.quant_lm_head = embed.as_linear()
     if dtype == torch.bfloat16 and cpu_quant.bf16_x16_route():
-        # bf16 decode matmuls and LM head over blocks interleaved by 16 rows (kernels/cpu/csrc/bf16_x16.c)
+        # bf16 decode matmuls and LM head over blocks interleaved by 16 rows (kernels/cpu/csrc/repack_bf16.c)
         _interleave(model, [m for m in model.modules() if isinstance(m, QuantLinear)])
 
 

@@ -5,7 +5,7 @@ tensors of a few hundred values, where each torch op costs its dispatch, not its
 torch's fp32 ``rms_norm`` alone is eight ops, about 100 us a norm on the AMD EPYC (Zen 3) here,
 6 ms of a step. Each op here is one ``ctypes`` call on the tensors' data pointers.
 
-The results are the torch path's (``llama.RMSNorm``, ``llama.apply_rope`` and
+The results are the torch path's (``norm.RMSNorm``, ``rotary.apply_rope`` and
 ``reference.reshape_and_cache_ref``) bit for bit, except fp32 RMSNorm, whose sum of squares runs
 in another order than torch's (whose lanes depend on the CPU), so its scale may differ by a
 rounding (tested). Where the library cannot be built, or the tensors are not CPU fp32/bf16

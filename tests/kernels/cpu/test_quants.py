@@ -84,8 +84,10 @@ def test_quant_linear_matches_dequantize_then_matmul(ggml_weight, rows, dtype):
     ggml_type, raw, _ = ggml_weight
     kind, blocks = to_kernel_blocks(ggml_type, raw, OUT_FEATURES, IN_FEATURES)
     weight = cpu_quant.dequantize_ref(kind, blocks, IN_FEATURES)
-    bias = torch.randn(OUT_FEATURES)
-    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    # Seeded: the global generator's state depends on which tests ran before in this worker.
+    gen = torch.Generator().manual_seed(rows)
+    bias = torch.randn(OUT_FEATURES, generator=gen)
+    x = torch.randn(rows, IN_FEATURES, generator=gen).to(dtype)
     layer = QuantLinear(kind, blocks, IN_FEATURES, bias=bias.to(dtype))
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, OUT_FEATURES)
@@ -106,7 +108,7 @@ def test_kernel_and_gemm_paths_agree_around_the_switch():
     rng = np.random.default_rng(3)
     kind, blocks = to_kernel_blocks(GGML.Q4_1, gguf_tensor(GGML.Q4_1, rng), OUT_FEATURES, IN_FEATURES)
     layer = QuantLinear(kind, blocks, IN_FEATURES)
-    x = torch.randn(KERNEL_MAX_ROWS + 1, IN_FEATURES)
+    x = torch.randn(KERNEL_MAX_ROWS + 1, IN_FEATURES, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(layer(x[:KERNEL_MAX_ROWS]), layer(x)[:KERNEL_MAX_ROWS], rtol=1e-5, atol=1e-5)
 
 

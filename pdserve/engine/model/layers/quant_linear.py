@@ -11,8 +11,8 @@ leave activations in the model's dtype:
 
 ``--quantization gguf-a8 / int8-a8`` (``QuantLinear.use_int8_activations``) opts in to one more rounding:
 the kernel's x quantized to int8 per block of 32, as llama.cpp does, whose integer dots need a
-fraction of the fp32 arithmetic (``kernels/cpu/csrc/int8_activations.c``). Where the CPU has
-AVX512-VNNI the weights are interleaved (``kernels/cpu/csrc/int8_x16.c``) and prefill chunks run that
+fraction of the fp32 arithmetic (``kernels/cpu/csrc/quants_a8.c``). Where the CPU has
+AVX512-VNNI the weights are interleaved (``kernels/cpu/csrc/repack_a8.c``) and prefill chunks run that
 kernel too, as llama.cpp's prompt processing does: one vpdpbusd is 64 multiply-adds where
 vdpbf16ps is 32, so SmolLM2-135M's layers took 90 ms of a 256-token prompt instead of 125
 (decode + bf16 GEMM, one Zen 5 core). Elsewhere prefill chunks decode the blocks as above. What

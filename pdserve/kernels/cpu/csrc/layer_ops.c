@@ -126,7 +126,7 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
  * qkv: [rows, heads + 2 * kv_heads, head_dim] (the fused projection's output, contiguous), q and
  * k heads rotated in place: x * cos + rotate_half(x) * sin, with sin_signed = cat(-sin, sin) so
  * that rotate_half(x) * sin = cat(x2, x1) * sin_signed; cos and sin_signed are [rows, head_dim]
- * in qkv's dtype. As torch computes it (llama.apply_rope: addcmul(x * cos, swapped, sin_signed)):
+ * in qkv's dtype. As torch computes it (rotary.apply_rope: addcmul(x * cos, swapped, sin_signed)):
  * x * cos rounded to the dtype, then addcmul's fused multiply-add swapped * sin_signed + that in
  * fp32, rounded to the dtype once (bit-identical to torch's in fp32 and bf16, tested).
  * Then row r's k and v heads go to cache slot slots[r] (skipped when negative) of the layer's
