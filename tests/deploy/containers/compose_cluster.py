@@ -6,6 +6,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from tests.helpers.paths import DEPLOY
+
 from . import podman_host
 
 PROJECT = "pdserve-ci"
@@ -39,7 +41,7 @@ class ComposeCluster:
             "-p",
             PROJECT,
             "-f",
-            str(podman_host.REPO / "deploy" / "docker-compose.yml"),
+            str(DEPLOY / "docker-compose.yml"),
         ]
         return podman_host.run([*argv, *args], timeout=timeout, check=check, env=self.env)
 
