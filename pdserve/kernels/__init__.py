@@ -8,6 +8,11 @@ Every op has a torch reference (``reference.py``, what CPU runs) and a Triton ke
 implementation from the tensors' device. ``PDSERVE_KERNELS=triton`` forces Triton (used with
 ``TRITON_INTERPRET=1`` to run the Triton path on CPU in tests); ``PDSERVE_KERNELS=torch``
 forces the reference.
+
+The attention ops take a per-call (per-layer) ``sliding_window``: ``W`` >= 1 makes the query at
+position ``p`` attend to positions ``p - W < k <= p`` only (transformers' and llama.cpp's
+sliding-window mask: ``reference``'s docstring); ``None`` or 0 is full causal attention, the
+same call, bit for bit, as without the argument.
 """
 
 from __future__ import annotations
@@ -59,10 +64,18 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA; on the CPU the C kernel where it serves the call (``cpu_attention.serves``:
     bf16 caches, fp32 ones its vector path takes), else the torch reference (``PDSERVE_KERNELS=torch``,
-    no C compiler, or an fp32 head size without a vector path)."""
+    no C compiler, or an fp32 head size without a vector path). ``sliding_window``: the module
+    docstring."""
+    window = reference.window_size(sliding_window)
+    if window:  # the windowed kernels are the reference's for now
+        return reference.paged_attention_decode_ref(
+            query, kv_cache_layer, block_tables, seq_lens, scale, sliding_window=window
+        )
     if use_triton(kv_cache_layer):
         impl = _triton().paged_attention_decode
     elif forced_backend() != "torch" and cpu_attention.serves(query, kv_cache_layer):
@@ -81,10 +94,25 @@ def paged_attention_prefill(
     scale: float,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """``key``/``value``: the chunks' new K/V. The reference attends a chunk with no cached
     prefix over them directly (causal fast path); the Triton kernel reads everything from the
-    cache and ignores them."""
+    cache and ignores them. ``sliding_window``: the module docstring."""
+    window = reference.window_size(sliding_window)
+    if window:  # the windowed kernels are the reference's for now
+        return reference.paged_attention_prefill_ref(
+            query,
+            kv_cache_layer,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            key=key,
+            value=value,
+            sliding_window=window,
+        )
     if use_triton(kv_cache_layer):
         return _triton().paged_attention_prefill(
             query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale
@@ -106,9 +134,16 @@ def paged_attention_prefill(
 
 
 def _cpu_self_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """A chunk with no cached prefix: the C kernel where it runs (bf16, AVX512-BF16), else SDPA."""
+    if sliding_window:  # the windowed kernel is the reference's for now
+        return reference.causal_self_attention_ref(query, key, value, scale, sliding_window=sliding_window)
     if cpu_causal_attention.serves(query, key, value):
         return cpu_causal_attention.causal_self_attention(query, key, value, scale)
     return reference.causal_self_attention_ref(query, key, value, scale)

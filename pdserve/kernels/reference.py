@@ -10,18 +10,40 @@ One block of *all* layers is contiguous, so a KV transfer moves one descriptor p
 instead of one per (layer, block). A layer's view ``kv_cache[:, layer]`` has shape
 ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; index 0 of dim 1 is K, 1 is V.
 A *slot* is ``block_id * block_size + offset``; a negative slot means "padding, don't write".
+
+**Sliding window.** Every attention op takes ``sliding_window`` (``W``; ``None`` or 0: full causal
+attention): the query at position ``p`` then attends to the keys at positions ``k`` with
+``p - W < k <= p``, the ``W`` most recent ones, itself included. That is transformers' mask
+(``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``, and'ed with the
+causal mask; Mistral's and Gemma 3's sliding layers) and llama.cpp's standard SWA (a key is
+masked when ``p1 - p0 >= n_swa``): the same positions.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.scratch import scratch
+
+
+def window_size(sliding_window: int | None) -> int:
+    """``sliding_window`` as the kernels take it: the window ``W`` >= 1, or 0 for full attention
+    (``None`` or 0). Anything else (a negative or non-integer value) is a caller's error."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 0:
+        raise ValueError(f"sliding_window must be None or an int >= 0, not {sliding_window!r}")
+    return sliding_window
+
+
+def window_start(position: int, window: int) -> int:
+    """The first position the query at ``position`` attends to (``window``: ``window_size``'s)."""
+    return max(0, position - window + 1) if window else 0
 
 
 def reshape_and_cache_ref(
@@ -78,10 +100,11 @@ def _slot_indices(slot_mapping: torch.Tensor, block_size: int) -> _SlotIndices:
 
 
 def _gather_context(
-    kv_cache_layer: torch.Tensor, block_table: torch.Tensor, num_blocks: int
+    kv_cache_layer: torch.Tensor, block_table: torch.Tensor, num_blocks: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first ``num_blocks`` blocks: [num_blocks*block_size, H, D] each."""
-    idx = block_table[:num_blocks].long()
+    """K and V of one sequence's blocks ``first_block .. num_blocks - 1``:
+    [(num_blocks - first_block) * block_size, H, D] each."""
+    idx = block_table[first_block:num_blocks].long()
     # Index the K (then V) view directly: one gather each, already contiguous, no re-copy.
     keys = _gather_into("prefill_k", kv_cache_layer[:, 0], idx).flatten(0, 1)
     values = _gather_into("prefill_v", kv_cache_layer[:, 1], idx).flatten(0, 1)
@@ -132,15 +155,19 @@ def paged_attention_decode_ref(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32: context length including the query token
     scale: float,
+    *,
+    sliding_window: int | None = None,  # W: the query at p sees p - W < k <= p (module docstring)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Single-token attention over each sequence's paged context (GQA by head grouping).
 
     Batched by groups of similar length (``decode_length_groups``): each group's blocks are
     gathered up to its longest member and the tail is masked, which on CPU is far cheaper than
-    one small attention call per sequence, and wastes little on padding.
+    one small attention call per sequence, and wastes little on padding. With a sliding window a
+    sequence's gather starts at the block holding its window's first position (the positions
+    before it in that block are masked): a long context costs its window, not its length.
     """
     block_size = kv_cache_layer.shape[2]
-    groups = _decode_plan(block_tables, seq_lens, block_size)
+    groups = _decode_plan(block_tables, seq_lens, block_size, window_size(sliding_window))
     if groups[0].rows is None:
         return _decode_attention(query, kv_cache_layer, groups[0], scale)
     out = torch.empty_like(query)
@@ -155,7 +182,7 @@ class _DecodeGroup:
 
     rows: torch.Tensor | None  # [n] int64: the group's sequences (None: the whole batch)
     block_ids: torch.Tensor  # [n * max_blocks] int64: their blocks, padded to the longest
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: real context positions
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: the positions each one attends to
 
 
 @dataclass
@@ -165,11 +192,15 @@ class _CachedPlan:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     block_size: int
+    window: int
     groups: list[_DecodeGroup]
 
-    def matches(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> bool:
+    def matches(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int
+    ) -> bool:
         return (
             self.block_size == block_size
+            and self.window == window
             and self.block_tables.shape == block_tables.shape
             and self.seq_lens.shape == seq_lens.shape
             and self.block_tables.device == block_tables.device
@@ -181,32 +212,51 @@ class _CachedPlan:
 _last_plan = threading.local()  # .entry: a _CachedPlan
 
 
-def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[_DecodeGroup]:
+def _decode_plan(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int = 0
+) -> list[_DecodeGroup]:
     """The groups of a decode batch, built once per forward pass rather than once per layer.
 
     Every layer of a pass gets the same batch, so the last plan is reused while the block
     tables and lengths equal (by value) copies of the ones it was built from: a few thousand
     ints to compare. Not identity or version counters: the runner builds its metadata under
     ``inference_mode``, whose tensors have no version counter, and a buffer rewritten in place
-    keeps its identity.
+    keeps its identity. (The window is part of the key: layers alternating windows replan.)
+
+    ``window`` (``window_size``'s): each sequence's gather starts at the block of its window's
+    first position, and sequences are grouped by what they gather from there. Where every
+    window covers its whole context, the plan is the full-attention one, tensor for tensor.
     """
     last: _CachedPlan | None = getattr(_last_plan, "entry", None)
-    if last is not None and last.matches(block_tables, seq_lens, block_size):
+    if last is not None and last.matches(block_tables, seq_lens, block_size, window):
         return last.groups
     lens = seq_lens.tolist()
-    groups = decode_length_groups(lens)
+    # Each sequence's first gathered block, and the positions it gathers from that block's start.
+    firsts = [window_start(n - 1, window) // block_size for n in lens]
+    spans = [n - first * block_size for n, first in zip(lens, firsts, strict=True)]
+    groups = decode_length_groups(spans)
     device = seq_lens.device
     plan = []
     for members in groups:
         rows = None if len(groups) == 1 else torch.tensor(members, device=device)
         tables = block_tables if rows is None else block_tables[rows]
         group_lens = seq_lens if rows is None else seq_lens[rows]
-        max_blocks = -(-max(lens[i] for i in members) // block_size)
+        max_blocks = -(-max(spans[i] for i in members) // block_size)
         positions = torch.arange(max_blocks * block_size, device=device)
-        mask = positions[None, :] < group_lens[:, None].to(positions.dtype)
-        block_ids = tables[:, :max_blocks].reshape(-1).long()
+        if not window:
+            mask = positions[None, :] < group_lens[:, None].to(positions.dtype)
+            block_ids = tables[:, :max_blocks].reshape(-1).long()
+        else:
+            order = members if rows is not None else range(len(lens))  # the group's rows, in order
+            first = torch.tensor([firsts[i] for i in order], device=device)
+            # Columns past a table's end only pad a shorter member (masked): any block will do.
+            cols = (first[:, None] + torch.arange(max_blocks, device=device)).clamp_(max=tables.shape[1] - 1)
+            block_ids = tables.gather(1, cols).reshape(-1).long()
+            absolute = first[:, None] * block_size + positions[None, :]
+            ends = group_lens[:, None].to(positions.dtype)
+            mask = (absolute < ends) & (absolute >= ends - window)
         plan.append(_DecodeGroup(rows, block_ids, mask[:, None, None, :]))
-    _last_plan.entry = _CachedPlan(block_tables.clone(), seq_lens.clone(), block_size, plan)
+    _last_plan.entry = _CachedPlan(block_tables.clone(), seq_lens.clone(), block_size, window, plan)
     return plan
 
 
@@ -231,8 +281,24 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-# (query, key, value, scale) -> output: how a chunk with no cached prefix attends to itself.
-SelfAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+class SelfAttention(Protocol):
+    """How a chunk with no cached prefix attends to itself: ``(query, key, value, scale)`` ->
+    output, called with ``sliding_window=W`` only where a window cuts into the chunk (``W`` <
+    its length; ``paged_attention_prefill_ref`` passes no window otherwise)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+# Query rows per SDPA call of a windowed chunk, at least (see causal_self_attention_ref).
+WINDOW_QUERY_TILE = 256
 
 
 def causal_self_attention_ref(
@@ -240,8 +306,16 @@ def causal_self_attention_ref(
     key: torch.Tensor,  # [q_len, num_kv_heads, head_dim]: that chunk's own K
     value: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
     scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim] (a strided view)
     """Causal attention of a chunk with no cached prefix, over its own K/V.
+
+    With a ``sliding_window`` shorter than the chunk, SDPA takes an explicit mask (as
+    transformers' own sliding layers do: ``is_causal`` cannot say "window"), in tiles of query
+    rows (``max(W, WINDOW_QUERY_TILE)``), each over the keys its rows see, so a long prompt costs
+    ``O(q_len * W)`` rather than ``O(q_len^2)``; a window the chunk fits in is no window (the
+    ``is_causal`` call below, bit for bit).
 
     Such a chunk attends to nothing but itself, so its contiguous new K/V are the whole context:
     no gather from the paged cache is needed, and ``is_causal=True`` replaces the explicit mask,
@@ -251,6 +325,9 @@ def causal_self_attention_ref(
     path and the general path's ``enable_gqa``, prefill attention ran SDPA's math path on a
     repeated mask and took ~25% of a 512-token prefill of SmolLM2-135M.)
     """
+    window, q_len = window_size(sliding_window), query.shape[0]
+    if window and window < q_len:
+        return _windowed_self_attention(query, key, value, scale, window)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
         key.transpose(0, 1).unsqueeze(0),  # [1, Hkv, q, D]
@@ -260,6 +337,33 @@ def causal_self_attention_ref(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def _windowed_self_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """``causal_self_attention_ref`` with a window shorter than the chunk: query rows
+    ``[q0, q1)`` attend over keys ``[q0 - W + 1, q1)`` with the window's mask, a call a tile."""
+    q_len = query.shape[0]
+    tile = max(window, WINDOW_QUERY_TILE)
+    out = query.new_empty(query.shape)
+    q_all, k_all, v_all = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, L, D]
+    for q0 in range(0, q_len, tile):
+        q1, k0 = min(q_len, q0 + tile), window_start(q0, window)
+        distance = torch.arange(q0, q1, device=query.device)[:, None] - torch.arange(
+            k0, q1, device=query.device
+        )
+        mask = (distance >= 0) & (distance < window)  # [q1 - q0, q1 - k0]
+        attn = F.scaled_dot_product_attention(
+            q_all[:, :, q0:q1],
+            k_all[:, :, k0:q1],
+            v_all[:, :, k0:q1],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[q0:q1] = attn[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_prefill_ref(
@@ -272,11 +376,15 @@ def paged_attention_prefill_ref(
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new K
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new V
     self_attention: SelfAttention | None = None,
+    *,
+    sliding_window: int | None = None,  # W: the query at p sees p - W < k <= p (module docstring)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each query chunk over its cached prefix and itself.
 
-    Query token ``i`` of a chunk of length ``q`` sits at position ``seq_len - q + i`` and attends
-    to positions ``<= seq_len - q + i``. The chunk's own K/V must already be in the cache.
+    Query token ``i`` of a chunk of length ``q`` sits at position ``p = seq_len - q + i`` and
+    attends to positions ``<= p`` (and ``> p - W`` with a ``sliding_window`` ``W``: then only the
+    blocks from the one holding the chunk's first query's first key on are gathered). The
+    chunk's own K/V must already be in the cache.
 
     When ``key``/``value`` (the step's new K/V, laid out like ``query``) are given, a chunk that
     starts at position 0 (no cached prefix) takes ``causal_self_attention_ref`` on them instead:
@@ -284,6 +392,7 @@ def paged_attention_prefill_ref(
     CPU engine's C kernel where it runs: ``kernels.paged_attention_prefill``).
     """
     attend_self = self_attention or causal_self_attention_ref
+    window = window_size(sliding_window)
     block_size = kv_cache_layer.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -295,17 +404,24 @@ def paged_attention_prefill_ref(
             continue
         if key is not None and value is not None and q_len == seq_len:
             # Round K/V to the cache dtype as the gathered path would see them.
-            out[q_start:q_end] = attend_self(
+            chunk = (
                 query[q_start:q_end].to(kv_cache_layer.dtype),
                 key[q_start:q_end].to(kv_cache_layer.dtype),
                 value[q_start:q_end].to(kv_cache_layer.dtype),
-                scale,
-            ).to(query.dtype)
+            )
+            if window and window < q_len:
+                attended = attend_self(*chunk, scale, sliding_window=window)
+            else:  # the window holds the whole chunk: no window
+                attended = attend_self(*chunk, scale)
+            out[q_start:q_end] = attended.to(query.dtype)
             continue
+        # From the block holding the first key the chunk's first query sees (0: no window).
+        first_block = window_start(seq_len - q_len, window) // block_size
+        first_pos = first_block * block_size
         keys, values = _gather_context(
-            kv_cache_layer, block_tables[seq], (seq_len + block_size - 1) // block_size
+            kv_cache_layer, block_tables[seq], (seq_len + block_size - 1) // block_size, first_block
         )
-        keys, values = keys[:seq_len], values[:seq_len]  # [L, Hkv, D]
+        keys, values = keys[: seq_len - first_pos], values[: seq_len - first_pos]  # [L, Hkv, D]
         # One call over all heads: enable_gqa shares each KV head with its query heads (no
         # repeated K/V) and the [q, L] mask is shared by every head. On torch 2.13's CPU SDPA
         # this runs 2-3x faster than folding the query heads into the length axis with a
@@ -314,8 +430,10 @@ def paged_attention_prefill_ref(
         k = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         v = values.transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
+        k_pos = torch.arange(first_pos, seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q, L]
+        if window:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         attn = F.scaled_dot_product_attention(
             q.to(keys.dtype), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )
