@@ -72,16 +72,18 @@ def paged_attention_decode(
     no C compiler, or an fp32 head size without a vector path). ``sliding_window``: the module
     docstring."""
     window = reference.window_size(sliding_window)
-    if window:  # the windowed kernels are the reference's for now
-        return reference.paged_attention_decode_ref(
-            query, kv_cache_layer, block_tables, seq_lens, scale, sliding_window=window
-        )
     if use_triton(kv_cache_layer):
+        if window:  # the windowed Triton kernel is the reference's for now
+            return reference.paged_attention_decode_ref(
+                query, kv_cache_layer, block_tables, seq_lens, scale, sliding_window=window
+            )
         impl = _triton().paged_attention_decode
     elif forced_backend() != "torch" and cpu_attention.serves(query, kv_cache_layer):
         impl = cpu_attention.paged_attention_decode
     else:
         impl = reference.paged_attention_decode_ref
+    if window:
+        return impl(query, kv_cache_layer, block_tables, seq_lens, scale, sliding_window=window)
     return impl(query, kv_cache_layer, block_tables, seq_lens, scale)
 
 

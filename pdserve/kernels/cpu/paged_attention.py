@@ -13,6 +13,10 @@ tested), and each sequence's result does not depend on what it is batched with (
 sequence), where the reference pads a group of sequences to its longest. fp32 caches kept the
 reference while only AVX-512 had a vector path: on AVX2 CPUs (AMD Zen 2/3), where
 ``--dtype auto`` picks fp32, the portable loop was slower than SDPA at 8 sequences.
+
+A sliding window (``sliding_window``) starts each sequence at its window's first position: the
+blocks before it are never read, so a long context costs its window (the reference's mask,
+``reference``'s docstring); without one the kernel runs exactly as before.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import functools
 import torch
 
 from pdserve.kernels.cpu.build import CLibrary
+from pdserve.kernels.reference import window_size
 from pdserve.kernels.scratch import scratch
 
 MAX_GROUP = 16  # query heads per KV head (the C side's MAX_GROUP)
@@ -33,7 +38,7 @@ MAX_HEAD_DIM = 256  # (MAX_HEAD_DIM)
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pd_paged_decode_attention.argtypes = [
-        ptr, cint, ptr, cint, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr, ptr, i64, cint,
+        ptr, cint, ptr, cint, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, cint,
     ]  # fmt: skip
     lib.pd_paged_decode_attention.restype = None
     lib.pd_paged_attention_vector_lanes.argtypes = []
@@ -88,8 +93,11 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32: context length including the query token
     scale: float,
+    *,
+    sliding_window: int | None = None,  # W: the query at p sees p - W < k <= p; None or 0: all
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
     """Single-token attention over each sequence's paged context (GQA), as the reference computes it."""
+    window = window_size(sliding_window)
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache_layer.shape
     if cache_head_dim != head_dim or not kv_cache_layer[0].is_contiguous():
@@ -101,6 +109,8 @@ def paged_attention_decode(
     if num_seqs == 0:
         return out
     max_len = tables.shape[1] * block_size
+    if window:  # a sequence scores its window's positions at most
+        max_len = min(max_len, window)
     threads = min(torch.get_num_threads(), num_seqs * num_kv_heads)
     # Per thread: every head's scores over the context, then its scaled query and its sums.
     scores = scratch(
@@ -120,6 +130,7 @@ def paged_attention_decode(
         tables.data_ptr(),
         tables.shape[1],
         lens.data_ptr(),
+        window,
         scale,
         out.data_ptr(),
         scores.data_ptr(),

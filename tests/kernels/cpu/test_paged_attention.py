@@ -124,3 +124,111 @@ def test_without_the_library_the_reference_runs(monkeypatch):
     assert not cpu_attention.serves(query, layer)
     out = kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
     assert torch.equal(out, reference.paged_attention_decode_ref(query, layer, tables, seq_lens, 0.125))
+
+
+# Sliding windows against the contexts of `lens` below: one position, mid-block, exactly a
+# block (window starts on block boundaries), several blocks, 37 (a whole context) and beyond
+# every context.
+def _windows(block_size: int) -> list[int]:
+    return [1, 5, block_size, 2 * block_size + 3, 37, 1000]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 32), (8, 2, 48), (6, 3, 20)],
+    ids=["smollm-gqa3", "mha", "gqa4-dim48", "dim20-portable"],
+)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_a_sliding_window_matches_the_windowed_reference(
+    dtype, num_heads, num_kv_heads, head_dim, block_size
+):
+    """A batch of contexts from 1 to 200 positions, each window from 1 position to more than
+    the longest context: the kernel's attention is the reference's (same tolerances as above)."""
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 37, 200]
+    query, layer, tables, seq_lens = _case(
+        5, len(lens), num_heads, num_kv_heads, head_dim, block_size, lens, dtype
+    )
+    for window in _windows(block_size):
+        want = reference.paged_attention_decode_ref(
+            query, layer, tables, seq_lens, 0.125, sliding_window=window
+        )
+        got = cpu_attention.paged_attention_decode(
+            query, layer, tables, seq_lens, 0.125, sliding_window=window
+        )
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"window {window}")
+        else:
+            torch.testing.assert_close(
+                got.float(), want.float(), rtol=2**-7, atol=2e-3, msg=f"window {window}"
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 20], ids=["vector", "portable"])
+def test_a_window_reads_nothing_before_it(dtype, head_dim):
+    """Every position before a sequence's window poisoned with NaN (whole blocks before it, and
+    the start of the block it begins in): the same bits as the clean cache, so the kernel never
+    reads them, and the output differs from full attention's."""
+    block_size, window = 16, 21
+    lens = [300, 17, 129, 64, 1, 250, 90, 22]
+    query, layer, tables, seq_lens = _case(6, len(lens), 9, 3, head_dim, block_size, lens, dtype)
+    clean = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125, sliding_window=window)
+    poisoned = layer.clone()
+    for seq, length in enumerate(lens):
+        for pos in range(max(0, length - window)):
+            poisoned[int(tables[seq, pos // block_size]), :, pos % block_size] = float("nan")
+    got = cpu_attention.paged_attention_decode(
+        query, poisoned, tables, seq_lens, 0.125, sliding_window=window
+    )
+    assert torch.equal(got, clean)
+    full = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    assert not torch.equal(full[0], clean[0]) and torch.equal(full[4], clean[4])  # 300 positions; 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 20], ids=["vector", "portable"])
+def test_no_window_or_one_holding_every_context_changes_no_bit(dtype, head_dim):
+    lens = [300, 17, 129, 64, 1, 250, 90, 33]
+    query, layer, tables, seq_lens = _case(7, len(lens), 9, 3, head_dim, 16, lens, dtype)
+    today = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125)
+    for window in (None, 0, 300, 4096):
+        again = cpu_attention.paged_attention_decode(
+            query, layer, tables, seq_lens, 0.125, sliding_window=window
+        )
+        assert torch.equal(again, today), window
+
+
+def test_a_windowed_sequence_attends_alike_whatever_it_is_batched_with():
+    lens = [300, 17, 129, 64]
+    query, layer, tables, seq_lens = _case(8, len(lens), 9, 3, 64, 16, lens, torch.float32)
+    batch = cpu_attention.paged_attention_decode(query, layer, tables, seq_lens, 0.125, sliding_window=40)
+    for i in range(len(lens)):
+        alone = cpu_attention.paged_attention_decode(
+            query[i : i + 1], layer, tables[i : i + 1], seq_lens[i : i + 1], 0.125, sliding_window=40
+        )
+        assert torch.equal(alone[0], batch[i])
+
+
+def test_the_dispatcher_passes_the_window_to_the_kernel(monkeypatch):
+    lens = [90, 3]
+    query, layer, tables, seq_lens = _case(9, len(lens), 9, 3, 64, 16, lens, torch.bfloat16)
+    windows = []
+    real = cpu_attention.paged_attention_decode
+    monkeypatch.setattr(
+        cpu_attention,
+        "paged_attention_decode",
+        lambda *a, **k: windows.append(k.get("sliding_window")) or real(*a, **k),
+    )
+    got = kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125, sliding_window=20)
+    assert windows == [20]
+    torch.testing.assert_close(
+        got.float(),
+        reference.paged_attention_decode_ref(
+            query, layer, tables, seq_lens, 0.125, sliding_window=20
+        ).float(),
+        rtol=2**-7,
+        atol=2e-3,
+    )
+    kernels.paged_attention_decode(query, layer, tables, seq_lens, 0.125, sliding_window=None)
+    assert windows == [20, None]  # no window: the call made before windows existed

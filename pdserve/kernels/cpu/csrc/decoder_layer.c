@@ -116,8 +116,8 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
     for (int64_t r = 0; r < rows; r++) /* the q heads of each row, contiguous for the attention */
         memcpy(q + r * q_width * es, qkv + r * qkv_width * es, (size_t)q_width * es);
     pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
-                              block_tables, max_blocks, seq_lens, layer->scale, attn, scratch->scores, max_len,
-                              attn_threads);
+                              block_tables, max_blocks, seq_lens, 0, layer->scale, attn,
+                              scratch->scores, max_len, attn_threads);
     status |= project(layer, layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, threads);
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
     pd_rms_norm(hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, layer->eps, is_bf16);

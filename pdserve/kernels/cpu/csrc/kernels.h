@@ -41,8 +41,8 @@ void pd_silu_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, in
 void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int kv_is_bf16, int64_t num_seqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                int64_t block_stride, const int32_t *block_tables, int64_t max_blocks,
-                               const int32_t *seq_lens, float scale, void *out, float *scratch, int64_t max_len,
-                               int threads);
+                               const int32_t *seq_lens, int64_t window, float scale, void *out, float *scratch,
+                               int64_t max_len, int threads);
 int pd_paged_attention_vector_lanes(void);
 
 /* decoder_layer.c */

@@ -6,7 +6,10 @@
  * decode_seq_avx2). pd_paged_decode_attention here runs them for a head_dim their lanes divide,
  * and paged_attention.c's portable loop (pd_paged_decode_attention_generic) otherwise; a build
  * with neither compiles this file to nothing, and the portable loop is the entry point
- * (arch_fallback.h).
+ * (arch_fallback.h). With a sliding window, a sequence's passes start at its window's first
+ * position (`start`, window_first): its blocks before that one are never read, and the
+ * positions before it in that block are skipped; its scores are kept for positions start ..
+ * len - 1 only.
  */
 #include <math.h>
 #include <stdint.h>
@@ -183,10 +186,11 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
                               const uint16_t *qbf /* the same unscaled in bf16, or NULL */, float scale,
                               int64_t num_heads,
                               int64_t num_kv_heads, int nvec, const void *kv, int kv_is_bf16, const int32_t *table,
-                              int64_t len, int64_t block_size, int64_t block_stride, int64_t half_stride,
-                              int64_t token_stride, float *scores /* [num_heads][len] */,
-                              float *acc /* [num_heads][head_dim] */) {
+                              int64_t start, int64_t len, int64_t block_size, int64_t block_stride,
+                              int64_t half_stride, int64_t token_stride,
+                              float *scores /* [num_heads][len - start] */, float *acc /* [num_heads][head_dim] */) {
     const int64_t head_dim = (int64_t)nvec * 16, group = num_heads / num_kv_heads;
+    const int64_t n = len - start, first_block = start / block_size; /* positions start .. len - 1 */
     float maxes[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
     __m512 row[MAX_VECS];
@@ -197,11 +201,11 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
         __m512 max_of[MAX_HEADS];
         for (int64_t h = 0; h < num_heads; h++) max_of[h] = _mm512_set1_ps(-INFINITY);
         const __m512 scale_v = _mm512_set1_ps(scale);
-        for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
-            const int64_t base = (int64_t)table[block] * block_stride;
-            const int64_t steps = (block_size + 15) / 16 * num_heads; /* (16 positions, head) */
+        for (int64_t block = first_block, first = first_block * block_size; first < len; block++, first += block_size) {
+            const int64_t base = (int64_t)table[block] * block_stride, lo = first < start ? start - first : 0;
+            const int64_t steps = (block_size - lo + 15) / 16 * num_heads; /* (16 positions, head) */
             const BlockPrefetch ahead = block_prefetch(kv, elem, table, block, num_blocks, block_stride, half_stride);
-            for (int64_t o = 0, step = 0; o < block_size && first + o < len; o += 16) {
+            for (int64_t o = lo, step = 0; o < block_size && first + o < len; o += 16) {
                 const int64_t positions = min64(min64(16, len - first - o), block_size - o);
                 const __mmask16 live = first_lanes(positions);
                 for (int64_t h = 0; h < num_heads; h++, step++) {
@@ -210,7 +214,7 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
                     const __m512 raw = head_dim == 64 ? dots_bf16(k, positions, token_stride, qbf + h * head_dim, 64)
                                                       : dots_bf16(k, positions, token_stride, qbf + h * head_dim, head_dim);
                     const __m512 dots = _mm512_mul_ps(raw, scale_v);
-                    _mm512_mask_storeu_ps(scores + h * len + first + o, live, dots);
+                    _mm512_mask_storeu_ps(scores + h * n + first + o - start, live, dots);
                     max_of[h] = _mm512_mask_max_ps(max_of[h], live, max_of[h], dots);
                 }
             }
@@ -220,11 +224,12 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
 #else
     (void)qbf, (void)scale; /* the bf16 scores' arguments: unused without AVX512-BF16 */
 #endif
-    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
+    for (int64_t block = first_block, first = first_block * block_size; first < len; block++, first += block_size) {
         const int64_t positions = min64(len - first, block_size), base = (int64_t)table[block] * block_stride;
         const BlockPrefetch ahead = block_prefetch(kv, elem, table, block, num_blocks, block_stride, half_stride);
-        for (int64_t o = 0; o < positions; o++) {
-            prefetch_keys_step(ahead, o, block_size);
+        const int64_t lo = first < start ? start - first : 0;
+        for (int64_t o = lo; o < positions; o++) {
+            prefetch_keys_step(ahead, o - lo, block_size - lo);
             for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
                 load_vecs(kv, kv_is_bf16, base + o * token_stride + kvh * head_dim, nvec, row);
                 for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
@@ -232,38 +237,39 @@ static void decode_seq_avx512(const float *qf /* [num_heads][head_dim], scaled *
                     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), row[0]);
                     for (int i = 1; i < nvec; i++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), row[i], sum);
                     const float dot = _mm512_reduce_add_ps(sum);
-                    scores[h * len + first + o] = dot;
+                    scores[h * n + first + o - start] = dot;
                     if (dot > maxes[h]) maxes[h] = dot;
                 }
             }
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *sh = scores + h * len;
+        float *sh = scores + h * n;
         const __m512 max = _mm512_set1_ps(maxes[h]);
         __m512 sums = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = first_lanes(len - t);
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 live = first_lanes(n - t);
             const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), max));
             _mm512_mask_storeu_ps(sh + t, live, e);
             sums = _mm512_mask_add_ps(sums, live, sums, e);
         }
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
-        for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = first_lanes(len - t);
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 live = first_lanes(n - t);
             _mm512_mask_storeu_ps(sh + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sh + t), inv));
         }
         memset(acc + h * head_dim, 0, (size_t)head_dim * sizeof(float));
     }
     /* Values block by block, one KV head at a time within a block (its V half, a few KB, stays in
      * L1 for the next head). */
-    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
-        const int64_t positions = min64(len - first, block_size);
-        const int64_t base = (int64_t)table[block] * block_stride + half_stride;
+    for (int64_t block = first_block, first = first_block * block_size; first < len; block++, first += block_size) {
+        const int64_t lo = first < start ? start - first : 0, positions = min64(len - first, block_size) - lo;
+        const int64_t base = (int64_t)table[block] * block_stride + half_stride + lo * token_stride;
         prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, half_stride, half_stride);
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
             values_of_block(kv, kv_is_bf16, base + kvh * head_dim, positions, token_stride,
-                            scores + kvh * group * len + first, len, acc + kvh * group * head_dim, (int)group, nvec);
+                            scores + kvh * group * n + first + lo - start, n, acc + kvh * group * head_dim, (int)group,
+                            nvec);
     }
 }
 #endif
@@ -351,10 +357,11 @@ static __m256 dots8(const void *kv, int kv_is_bf16, int64_t offset, int64_t toke
  * query head sharing their KV head; probabilities; values block by block). */
 static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */, int64_t num_heads,
                             int64_t num_kv_heads, int nvec, const void *kv, int kv_is_bf16, const int32_t *table,
-                            int64_t len, int64_t block_size, int64_t block_stride, int64_t half_stride,
-                            int64_t token_stride, float *scores /* [num_heads][len] */,
-                            float *acc /* [num_heads][head_dim] */) {
+                            int64_t start, int64_t len, int64_t block_size, int64_t block_stride,
+                            int64_t half_stride, int64_t token_stride,
+                            float *scores /* [num_heads][len - start] */, float *acc /* [num_heads][head_dim] */) {
     const int64_t head_dim = (int64_t)nvec * 8, group = num_heads / num_kv_heads;
+    const int64_t n = len - start, first_block = start / block_size; /* positions start .. len - 1 */
     float maxes[MAX_HEADS];
     __m256 max8[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) {
@@ -363,17 +370,18 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
     }
     __m256 row[MAX_VECS8];
     const int64_t num_blocks = (len + block_size - 1) / block_size, elem = kv_is_bf16 ? 2 : 4;
-    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
+    for (int64_t block = first_block, first = first_block * block_size; first < len; block++, first += block_size) {
         const int64_t positions = min64(len - first, block_size), base = (int64_t)table[block] * block_stride;
+        const int64_t lo = first < start ? start - first : 0;
         const BlockPrefetch ahead = block_prefetch(kv, elem, table, block, num_blocks, block_stride, half_stride);
-        int64_t o = 0;
+        int64_t o = lo;
         for (; o + 8 <= positions; o += 8) /* 8 positions at a time: a KV head's rows stay in L1 */
             for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
-                prefetch_keys_step(ahead, o / 8 * num_kv_heads + kvh, (block_size + 7) / 8 * num_kv_heads);
+                prefetch_keys_step(ahead, (o - lo) / 8 * num_kv_heads + kvh, (block_size - lo + 7) / 8 * num_kv_heads);
                 for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
                     const __m256 dots = dots8(kv, kv_is_bf16, base + o * token_stride + kvh * head_dim,
                                               token_stride, qf + h * head_dim, nvec);
-                    _mm256_storeu_ps(scores + h * len + first + o, dots);
+                    _mm256_storeu_ps(scores + h * n + first + o - start, dots);
                     max8[h] = _mm256_max_ps(max8[h], dots);
                 }
             }
@@ -385,7 +393,7 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
                     __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(qh), row[0]);
                     for (int i = 1; i < nvec; i++) sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), row[i], sum);
                     const float dot = hsum_avx2(sum);
-                    scores[h * len + first + o] = dot;
+                    scores[h * n + first + o - start] = dot;
                     if (dot > maxes[h]) maxes[h] = dot;
                 }
             }
@@ -397,33 +405,34 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
         for (int i = 0; i < 8; i++) maxes[h] = lanes[i] > maxes[h] ? lanes[i] : maxes[h];
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *sh = scores + h * len;
+        float *sh = scores + h * n;
         const __m256 max = _mm256_set1_ps(maxes[h]);
         __m256 sums = _mm256_setzero_ps();
         int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
+        for (; t + 8 <= n; t += 8) {
             const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), max));
             _mm256_storeu_ps(sh + t, e);
             sums = _mm256_add_ps(sums, e);
         }
         float sum = hsum_avx2(sums);
-        for (; t < len; t++) { /* the tail through the same polynomial, one lane used */
+        for (; t < n; t++) { /* the tail through the same polynomial, one lane used */
             const float e = _mm256_cvtss_f32(exp_nonpositive8(_mm256_set1_ps(sh[t] - maxes[h])));
             sh[t] = e;
             sum += e;
         }
         const float inv = 1.0f / sum;
-        for (t = 0; t < len; t++) sh[t] *= inv;
+        for (t = 0; t < n; t++) sh[t] *= inv;
         memset(acc + h * head_dim, 0, (size_t)head_dim * sizeof(float));
     }
-    for (int64_t block = 0, first = 0; first < len; block++, first += block_size) {
-        const int64_t positions = min64(len - first, block_size);
-        const int64_t base = (int64_t)table[block] * block_stride + half_stride;
+    for (int64_t block = first_block, first = first_block * block_size; first < len; block++, first += block_size) {
+        const int64_t lo = first < start ? start - first : 0, positions = min64(len - first, block_size) - lo;
+        const int64_t base = (int64_t)table[block] * block_stride + half_stride + lo * token_stride;
         prefetch_next_half(kv, elem, table, block, num_blocks, block_stride, half_stride, half_stride);
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
             for (int64_t g = 0; g < group; g++) /* a KV head's rows of a block stay in L1 between heads */
                 values_of_block8(kv, kv_is_bf16, base + kvh * head_dim, positions, token_stride,
-                                 scores + (kvh * group + g) * len + first, acc + (kvh * group + g) * head_dim, nvec);
+                                 scores + (kvh * group + g) * n + first + lo - start,
+                                 acc + (kvh * group + g) * head_dim, nvec);
     }
 }
 #endif
@@ -432,8 +441,8 @@ static void decode_seq_avx2(const float *qf /* [num_heads][head_dim], scaled */,
 void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int kv_is_bf16, int64_t num_seqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                int64_t block_stride, const int32_t *block_tables, int64_t max_blocks,
-                               const int32_t *seq_lens, float scale, void *out, float *scratch, int64_t max_len,
-                               int threads) {
+                               const int32_t *seq_lens, int64_t window, float scale, void *out, float *scratch,
+                               int64_t max_len, int threads) {
     const int64_t token_stride = num_kv_heads * head_dim;       /* one position, all KV heads */
     const int64_t half_stride = block_size * token_stride;      /* a block's K (or V) */
 #if PD_HAS_AVX512
@@ -447,20 +456,23 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
         for (int64_t s = 0; s < num_seqs; s++) {
             float *mine = scratch + (int64_t)omp_get_thread_num() * (max_len + 2 * head_dim) * num_heads;
             float *qs = mine + max_len * num_heads, *accs = qs + num_heads * head_dim;
-            if (s + 1 < num_seqs && seq_lens[s + 1] > 0) /* the next sequence's first keys, into L2 meanwhile */
-                PREFETCH_SHARE((const char *)kv + (int64_t)block_tables[(s + 1) * max_blocks] * block_stride * elem,
-                               half_stride * elem, 0, 1, _MM_HINT_T1);
+            if (s + 1 < num_seqs && seq_lens[s + 1] > 0) { /* the next sequence's first keys, into L2 meanwhile */
+                const int64_t next = (s + 1) * max_blocks + window_first(seq_lens[s + 1], window) / block_size;
+                PREFETCH_SHARE((const char *)kv + (int64_t)block_tables[next] * block_stride * elem, half_stride * elem,
+                               0, 1, _MM_HINT_T1);
+            }
+            const int64_t len = seq_lens[s], start = window_first(len, window);
             for (int64_t h = 0; h < num_heads; h++) {
                 load_row(q, q_is_bf16, (s * num_heads + h) * head_dim, (int)head_dim, qs + h * head_dim);
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] *= scale;
             }
 #if PD_HAS_AVX512
             decode_seq_avx512(qs, q_is_bf16 ? (const uint16_t *)q + s * num_heads * head_dim : NULL, scale, num_heads, num_kv_heads, (int)(head_dim / 16), kv, kv_is_bf16,
-                              block_tables + s * max_blocks, seq_lens[s], block_size, block_stride, half_stride,
+                              block_tables + s * max_blocks, start, len, block_size, block_stride, half_stride,
                               token_stride, mine, accs);
 #else
             decode_seq_avx2(qs, num_heads, num_kv_heads, (int)(head_dim / 8), kv, kv_is_bf16,
-                            block_tables + s * max_blocks, seq_lens[s], block_size, block_stride, half_stride,
+                            block_tables + s * max_blocks, start, len, block_size, block_stride, half_stride,
                             token_stride, mine, accs);
 #endif
             for (int64_t h = 0; h < num_heads; h++) {
@@ -476,7 +488,7 @@ void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int
         return;
     }
     pd_paged_decode_attention_generic(q, q_is_bf16, kv, kv_is_bf16, num_seqs, num_heads, num_kv_heads, head_dim,
-                                      block_size, block_stride, block_tables, max_blocks, seq_lens, scale, out,
-                                      scratch, max_len, threads);
+                                      block_size, block_stride, block_tables, max_blocks, seq_lens, window, scale,
+                                      out, scratch, max_len, threads);
 }
 #endif
