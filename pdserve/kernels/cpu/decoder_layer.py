@@ -29,6 +29,7 @@ from pdserve.kernels.cpu import paged_attention as cpu_attention
 from pdserve.kernels.cpu import quant as cpu_quant
 from pdserve.kernels.cpu.build import CLibrary
 from pdserve.kernels.cpu.quant import BlockKind
+from pdserve.kernels.reference import window_size
 
 
 class DecodeMetadata(Protocol):
@@ -58,6 +59,7 @@ class LayerArgs(ctypes.Structure):
         ("kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64),
         ("intermediate", ctypes.c_int64),
+        ("sliding_window", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("input_norm", ctypes.c_void_p),
@@ -97,7 +99,12 @@ class BlockWeight:
 
 
 class PreparedLayer:
-    """One layer's ``LayerArgs`` and the tensors its pointers point into (kept alive with it)."""
+    """One layer's ``LayerArgs`` and the tensors its pointers point into (kept alive with it).
+
+    ``sliding_window``: the layer's attention window ``W`` (``kernels.paged_attention_decode``'s:
+    a token at ``p`` sees ``p - W < k <= p``), ``None`` or 0 for full attention. Per layer: the
+    layers of one ``PreparedLayers`` run may differ in it (they share every other shape).
+    """
 
     def __init__(
         self,
@@ -115,6 +122,7 @@ class PreparedLayer:
         down: BlockWeight,
         qkv_bias: torch.Tensor | None = None,
         int8_activations: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         norms = (input_norm.detach().contiguous(), post_norm.detach().contiguous())
         bias = None if qkv_bias is None else qkv_bias.detach().contiguous()
@@ -132,6 +140,7 @@ class PreparedLayer:
             kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate=intermediate,
+            sliding_window=window_size(sliding_window),
             eps=eps,
             scale=head_dim**-0.5,
             input_norm=norms[0].data_ptr(),
@@ -179,7 +188,8 @@ def serves(
 
 class PreparedLayers:
     """Consecutive layers' ``LayerArgs`` as one C array (``pd_decoder_layers`` runs any run of
-    them in one call), built once per model; every layer shares the first one's shapes."""
+    them in one call), built once per model; every layer shares the first one's shapes (not its
+    sliding window: each layer attends through its own)."""
 
     def __init__(self, layers: Sequence[PreparedLayer]) -> None:
         if not layers:

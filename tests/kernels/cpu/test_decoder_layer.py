@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from pdserve import LLM
+from pdserve.engine.model import llama
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.layers.attention import AttentionMetadata
@@ -25,7 +26,9 @@ from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
 from tests.helpers.decoder_layer import (
+    BLOCK_SIZE,
     CONFIG,
+    NUM_BLOCKS,
     decode_inputs,
     per_op,
     quantized_layer,
@@ -174,3 +177,106 @@ def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monk
     assert set(calls) == {(0, layer_counts[0])}, "without a poll hook, a step's layers are one call"
     monkeypatch.setattr(cpu_decoder_layer, "serves", lambda *a, **k: False)
     assert fused_tokens == tokens()
+
+
+def _windowed(monkeypatch, window: int, per_op_too: bool = True) -> None:
+    """Layers prepared from here on attend through ``window`` in the fused call (their
+    ``PreparedLayer``), and so does the per-op path (the model's ``paged_attention`` calls) with
+    ``per_op_too``, whatever the model itself passes."""
+    prepare, attend = cpu_decoder_layer.PreparedLayer, llama.paged_attention
+    monkeypatch.setattr(
+        cpu_decoder_layer, "PreparedLayer", lambda *a, **k: prepare(*a, **{**k, "sliding_window": window})
+    )
+    if per_op_too:
+        monkeypatch.setattr(
+            llama, "paged_attention", lambda *a, **k: attend(*a, **{**k, "sliding_window": window})
+        )
+
+
+# decode_inputs' contexts are 5, 28, 51 (block size 16): windows of 1, mid-block, starting on a
+# block boundary for the 28-token context (12) and the 51-token one (35), and beyond them all.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [1, 7, 12, 35, 1000])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+def test_the_fused_layer_with_a_window_computes_what_the_per_op_path_does(
+    monkeypatch, dtype, window, int8_activations
+):
+    """As the test without a window: the same K/V, the same bits in bf16; and the window takes
+    (a row whose context it cuts short differs from full attention's, another does not)."""
+    _windowed(monkeypatch, window, per_op_too=False)
+    layer = quantized_layer(dtype, GGML.Q8_0, bias=False, int8_activations=int8_activations)
+    hidden, cos, sin_signed, cache, meta = decode_inputs(3, dtype)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        full = per_op(layer, hidden, cos, sin_signed, cache.clone()[:, 1], meta)
+        _windowed(monkeypatch, window)
+        assert layer.fused() is not None and layer.fused().args.sliding_window == window
+        got = layer(hidden, cos, sin_signed, cache[:, 1], meta)
+        want = per_op(layer, hidden, cos, sin_signed, reference_cache[:, 1], meta)
+    assert torch.equal(cache, reference_cache)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # SiLU's exp, as without a window
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for row, length in enumerate(meta.decode_seq_lens.tolist()):
+        assert torch.equal(want[row], full[row]) == (length <= window), (row, length)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layers_of_one_run_attend_through_their_own_windows(dtype):
+    """Gemma 3's pattern: local layers (a window) and a global one (none) in one ``FusedPass``
+    call give what each layer gives alone with its own window."""
+    windows = [7, 0, 20]
+    layers = [quantized_layer(dtype, GGML.Q4_1, bias=False, seed=seed) for seed in (3, 4, 5)]
+    hidden, cos, sin_signed, _, meta = decode_inputs(3, dtype)
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(
+        NUM_BLOCKS, len(layers), 2, BLOCK_SIZE, CONFIG.num_kv_heads, CONFIG.head_dim, generator=gen
+    )
+    cache = cache.to(dtype)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        prepared = [
+            cpu_decoder_layer.PreparedLayer(**{**_prepared_kwargs(layer), "sliding_window": window})
+            for layer, window in zip(layers, windows, strict=True)
+        ]
+        fused = cpu_decoder_layer.FusedPass(
+            cpu_decoder_layer.PreparedLayers(prepared), cos, sin_signed, cache, meta
+        )
+        got = fused.run(0, len(layers), hidden)
+        want = hidden
+        for index, layer in enumerate(prepared):
+            want = cpu_decoder_layer.decoder_layer(
+                layer, want, cos, sin_signed, reference_cache[:, index], meta
+            )
+        unwindowed = hidden
+        for index, layer in enumerate(layers):
+            unwindowed = cpu_decoder_layer.decoder_layer(
+                layer.fused(), unwindowed, cos, sin_signed, reference_cache.clone()[:, index], meta
+            )
+    assert torch.equal(got, want)
+    assert torch.equal(cache, reference_cache)
+    assert [layer.args.sliding_window for layer in prepared] == windows
+    assert not torch.equal(got[1:], unwindowed[1:])  # contexts 28 and 51 are cut short
+
+
+def _prepared_kwargs(layer: LlamaDecoderLayer) -> dict:
+    """The arguments ``LlamaDecoderLayer.fused`` prepared ``layer`` with."""
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = {
+        name: cpu_decoder_layer.BlockWeight(proj.kind, proj.blocks)
+        for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                           ("down", mlp.down_proj))
+    }  # fmt: skip
+    return dict(
+        heads=attn.num_heads,
+        kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        intermediate=mlp.intermediate_size,
+        eps=layer.input_layernorm.eps,
+        input_norm=layer.input_layernorm.weight,
+        post_norm=layer.post_attention_layernorm.weight,
+        qkv_bias=attn.qkv_proj.bias,
+        int8_activations=attn.qkv_proj.int8_activations,
+        **weights,
+    )

@@ -19,7 +19,7 @@
  *   normed = rms_norm(h)                       input_layernorm
  *   qkv    = normed @ Wqkv^T (+ bias)          self_attn.qkv_proj
  *   RoPE on q, k; k, v into the cache          pd_rope_and_cache
- *   attn   = paged decode attention(q)         pd_paged_decode_attention
+ *   attn   = paged decode attention(q)         pd_paged_decode_attention (the layer's window)
  *   h'     = h + attn @ Wo^T                   residual
  *   normed = rms_norm(h')                      post_attention_layernorm
  *   act    = silu(gate) * up, [gate up] = normed @ Wgate_up^T
@@ -40,9 +40,11 @@
  * ctypes Structure mirrors this one field for field). Weights are GGUF block rows (kind: 0
  * Q4_1, 1 Q8_0, as pd_quant_matmul takes them); norms and the bias are in the activations'
  * dtype. int8_activations: the projections quantize their x to int8 (pd_quant_matmul_a8,
- * --quantization gguf-a8) instead of keeping it in the dtype (pd_quant_matmul). */
+ * --quantization gguf-a8) instead of keeping it in the dtype (pd_quant_matmul). sliding_window:
+ * the layer's attention window W (a token at p sees p - W < k <= p), 0 for full attention; it
+ * may differ from layer to layer of a run (Gemma 3's local and global layers). */
 struct PdDecoderLayer {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, sliding_window;
     float eps, scale;
     const void *input_norm, *post_norm; /* [hidden] */
     const void *qkv_bias;               /* [(heads + 2 * kv_heads) * head_dim] or NULL */
@@ -116,7 +118,7 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
     for (int64_t r = 0; r < rows; r++) /* the q heads of each row, contiguous for the attention */
         memcpy(q + r * q_width * es, qkv + r * qkv_width * es, (size_t)q_width * es);
     pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
-                              block_tables, max_blocks, seq_lens, 0, layer->scale, attn,
+                              block_tables, max_blocks, seq_lens, layer->sliding_window, layer->scale, attn,
                               scratch->scores, max_len, attn_threads);
     status |= project(layer, layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, threads);
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
