@@ -297,8 +297,8 @@ class SelfAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
-# Query rows per SDPA call of a windowed chunk, at least (see causal_self_attention_ref).
-WINDOW_QUERY_TILE = 256
+# Query rows per SDPA call of a windowed chunk past its first W rows (causal_self_attention_ref).
+WINDOW_QUERY_TILE = 128
 
 
 def causal_self_attention_ref(
@@ -311,11 +311,14 @@ def causal_self_attention_ref(
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim] (a strided view)
     """Causal attention of a chunk with no cached prefix, over its own K/V.
 
-    With a ``sliding_window`` shorter than the chunk, SDPA takes an explicit mask (as
-    transformers' own sliding layers do: ``is_causal`` cannot say "window"), in tiles of query
-    rows (``max(W, WINDOW_QUERY_TILE)``), each over the keys its rows see, so a long prompt costs
-    ``O(q_len * W)`` rather than ``O(q_len^2)``; a window the chunk fits in is no window (the
-    ``is_causal`` call below, bit for bit).
+    With a ``sliding_window`` ``W`` shorter than the chunk, its first ``W`` rows see every key
+    up to their own (the ``is_causal`` call below, over those rows), and the rest take SDPA with
+    an explicit mask (as transformers' sliding layers do: ``is_causal`` cannot say "window") in
+    tiles of ``WINDOW_QUERY_TILE`` rows, each over the keys its rows see, so a long prompt costs
+    ``O(q_len * W)`` rather than ``O(q_len^2)``: 4096 tokens, ``W`` 512, SmolLM2's heads, one
+    core, 245 ms for full causal attention, 78-95 ms in tiles of 64-256 rows, 123 in tiles of
+    512, 185 of 1024. A window the chunk fits in is no window (the ``is_causal`` call, bit for
+    bit).
 
     Such a chunk attends to nothing but itself, so its contiguous new K/V are the whole context:
     no gather from the paged cache is needed, and ``is_causal=True`` replaces the explicit mask,
@@ -342,14 +345,15 @@ def causal_self_attention_ref(
 def _windowed_self_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, window: int
 ) -> torch.Tensor:
-    """``causal_self_attention_ref`` with a window shorter than the chunk: query rows
-    ``[q0, q1)`` attend over keys ``[q0 - W + 1, q1)`` with the window's mask, a call a tile."""
+    """``causal_self_attention_ref`` with a window shorter than the chunk: its first ``W`` rows
+    causally, then query rows ``[q0, q1)`` over keys ``[q0 - W + 1, q1)`` with the window's
+    mask, a call a tile."""
     q_len = query.shape[0]
-    tile = max(window, WINDOW_QUERY_TILE)
     out = query.new_empty(query.shape)
+    out[:window] = causal_self_attention_ref(query[:window], key[:window], value[:window], scale)
     q_all, k_all, v_all = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, L, D]
-    for q0 in range(0, q_len, tile):
-        q1, k0 = min(q_len, q0 + tile), window_start(q0, window)
+    for q0 in range(window, q_len, WINDOW_QUERY_TILE):
+        q1, k0 = min(q_len, q0 + WINDOW_QUERY_TILE), window_start(q0, window)
         distance = torch.arange(q0, q1, device=query.device)[:, None] - torch.arange(
             k0, q1, device=query.device
         )

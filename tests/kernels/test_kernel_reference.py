@@ -175,7 +175,7 @@ def test_kernel_reference_prefill_with_a_window_matches_naive_float64(
     window: int, new_kv: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both the gathered path and, with the chunks' new K/V, the no-prefix fast path; its query
-    rows split into several SDPA calls (a 16-row tile here) as a long prompt's are."""
+    rows past the window split into several SDPA calls (16-row tiles here) as a long prompt's are."""
     monkeypatch.setattr(reference, "WINDOW_QUERY_TILE", 16)
     gen = torch.Generator().manual_seed(200 + window)
     group, num_kv_heads, head_dim = 3, 2, 8
