@@ -103,24 +103,13 @@ def paged_attention_prefill(
     prefix over them directly (causal fast path); the Triton kernel reads everything from the
     cache and ignores them. ``sliding_window``: the module docstring."""
     window = reference.window_size(sliding_window)
-    if window:  # the windowed kernels are the reference's for now
-        return reference.paged_attention_prefill_ref(
-            query,
-            kv_cache_layer,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            scale,
-            key=key,
-            value=value,
-            sliding_window=window,
-        )
-    if use_triton(kv_cache_layer):
+    triton = use_triton(kv_cache_layer)
+    if triton and not window:  # (the windowed Triton kernel is the reference's for now)
         return _triton().paged_attention_prefill(
             query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale
         )
     self_attention = (
-        None if forced_backend() == "torch" or query.device.type != "cpu" else _cpu_self_attention
+        None if triton or forced_backend() == "torch" or query.device.type != "cpu" else _cpu_self_attention
     )
     return reference.paged_attention_prefill_ref(
         query,
@@ -132,6 +121,7 @@ def paged_attention_prefill(
         key=key,
         value=value,
         self_attention=self_attention,
+        sliding_window=window,
     )
 
 
@@ -143,11 +133,16 @@ def _cpu_self_attention(
     *,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """A chunk with no cached prefix: the C kernel where it runs (bf16, AVX512-BF16), else SDPA."""
-    if sliding_window:  # the windowed kernel is the reference's for now
-        return reference.causal_self_attention_ref(query, key, value, scale, sliding_window=sliding_window)
+    """A chunk with no cached prefix: the C kernel where it runs (bf16, AVX512-BF16), else SDPA;
+    called with a ``sliding_window`` only where one cuts into the chunk."""
     if cpu_causal_attention.serves(query, key, value):
+        if sliding_window:
+            return cpu_causal_attention.causal_self_attention(
+                query, key, value, scale, sliding_window=sliding_window
+            )
         return cpu_causal_attention.causal_self_attention(query, key, value, scale)
+    if sliding_window:
+        return reference.causal_self_attention_ref(query, key, value, scale, sliding_window=sliding_window)
     return reference.causal_self_attention_ref(query, key, value, scale)
 
 

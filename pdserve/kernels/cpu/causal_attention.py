@@ -5,7 +5,9 @@ SDPA (``reference.causal_self_attention_ref``), whose CPU flash kernel ran a 256
 of SmolLM2-135M at ~40 GFLOP/s, 29% of a bf16 prefill on one core. The C kernel computes both
 products with AVX512-BF16 dot products on K and V packed once per call, rounding as SDPA's flash
 kernel does for bf16. ``serves`` says where it runs: bf16 on a CPU with AVX512-BF16, head_dim a
-multiple of 32 up to 128; the reference runs everything else.
+multiple of 32 up to 128; the reference runs everything else. A sliding window (``sliding_window``:
+row ``i`` sees keys ``i - W < j <= i``) skips the tiles of keys before each pass's window, so a
+long prompt costs ``O(L W)``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import functools
 import torch
 
 from pdserve.kernels.cpu.build import CLibrary
+from pdserve.kernels.reference import window_size
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pd_causal_attention_bf16.argtypes = [
-        ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, cint,
+        ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr, i64, cint,
     ]  # fmt: skip
     lib.pd_causal_attention_bf16.restype = cint
 
@@ -48,6 +51,7 @@ def _runs_here(head_dim: int) -> bool:
         1,
         head_dim,
         1.0,
+        0,
         empty.data_ptr(),
         0,
         1,
@@ -80,8 +84,11 @@ def causal_self_attention(
     key: torch.Tensor,  # [q_len, num_kv_heads, head_dim] bf16: that chunk's own K
     value: torch.Tensor,  # [q_len, num_kv_heads, head_dim] bf16
     scale: float,
+    *,
+    sliding_window: int | None = None,  # W: row i sees keys i - W < j <= i; None or 0: all
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim] bf16
     """``reference.causal_self_attention_ref``'s result, from the C kernel (``serves`` first)."""
+    window = window_size(sliding_window)
     length, num_heads, head_dim = query.shape
     out = torch.empty(length, num_heads, head_dim, dtype=torch.bfloat16)
     status = KERNELS.load().pd_causal_attention_bf16(
@@ -96,6 +103,7 @@ def causal_self_attention(
         key.shape[1],
         head_dim,
         scale,
+        window,
         out.data_ptr(),
         out.stride(0),
         torch.get_num_threads(),

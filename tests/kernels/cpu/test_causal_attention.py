@@ -85,3 +85,66 @@ def test_the_prefill_dispatcher_runs_it_for_a_chunk_without_prefix(monkeypatch):
     forced = kernels.paged_attention_prefill(q, cache, tables, starts, lens, 0.125, key=k, value=v)
     assert calls == [1]
     torch.testing.assert_close(forced.float(), got.float(), rtol=2**-6, atol=2**-5)
+
+
+@runs_here
+@pytest.mark.parametrize("length", [17, 64, 100, 301])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 64, 200])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2)], ids=lambda h: f"{h[0]}q-{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_with_a_window_it_gives_what_sdpa_gives(length, window, heads, head_dim):
+    """Windows of one key, within a tile of 16, a tile, across tiles: SDPA with the window's
+    mask (``causal_self_attention_ref``) to the same bounds as without a window."""
+    q, k, v = projection(length, *heads, head_dim, seed=length + window)
+    scale = head_dim**-0.5
+    got = cpu_causal_attention.causal_self_attention(q, k, v, scale, sliding_window=window)
+    want = reference.causal_self_attention_ref(q, k, v, scale, sliding_window=window)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-5)
+    exact = reference.causal_self_attention_ref(q.float(), k.float(), v.float(), scale, sliding_window=window)
+    ours, sdpas = (got.float() - exact).abs().max(), (want.float() - exact).abs().max()
+    assert ours <= sdpas * 1.5 + 1e-3, (ours, sdpas)
+
+
+@runs_here
+def test_a_row_attends_to_its_window_only():
+    """Window 10: rows from 29 on do not see positions 0..19 (their values changed: the same
+    bits); row 28 sees position 19."""
+    q, k, v = projection(60, 4, 2, 64, seed=4)
+    windowed = cpu_causal_attention.causal_self_attention(q, k, v, 0.125, sliding_window=10)
+    changed = v.clone()
+    changed[:20] = 100.0
+    again = cpu_causal_attention.causal_self_attention(q, k, changed, 0.125, sliding_window=10)
+    assert torch.equal(windowed[29:], again[29:])
+    assert not torch.equal(windowed[28], again[28])
+    one = cpu_causal_attention.causal_self_attention(q, k, v, 0.125, sliding_window=1)
+    assert torch.equal(one, v.repeat_interleave(2, dim=1))  # one key each: its own value, exactly
+
+
+@runs_here
+def test_no_window_or_one_holding_the_chunk_changes_no_bit():
+    q, k, v = projection(100, 9, 3, 64, seed=6)
+    today = cpu_causal_attention.causal_self_attention(q, k, v, 0.125)
+    for window in (None, 0, 100, 4096):
+        again = cpu_causal_attention.causal_self_attention(q, k, v, 0.125, sliding_window=window)
+        assert torch.equal(again, today), window
+
+
+@runs_here
+def test_the_prefill_dispatcher_runs_it_with_the_window(monkeypatch):
+    q, k, v = projection(40, 4, 2, 64, seed=7)
+    cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    starts, lens = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    windows = []
+    real = cpu_causal_attention.causal_self_attention
+    monkeypatch.setattr(
+        cpu_causal_attention,
+        "causal_self_attention",
+        lambda *a, **kw: windows.append(kw.get("sliding_window")) or real(*a, **kw),
+    )
+    for window in (9, 40, None):
+        got = kernels.paged_attention_prefill(
+            q, cache, tables, starts, lens, 0.125, key=k, value=v, sliding_window=window
+        )
+        assert torch.equal(got, real(q, k, v, 0.125, sliding_window=window))
+    assert windows == [9, None, None]  # a window holding the chunk is no window

@@ -14,14 +14,16 @@
 /*
  * out[L, Hq, D] = causal softmax(scale * q k^T) v per query head, GQA (query head h reads KV head
  * h / (Hq / Hkv)); q [L, Hq, D], k and v [L, Hkv, D], all bf16 with rows q_stride, k_stride,
- * v_stride and out_stride elements apart (each row's heads contiguous). Returns 0; -1 when a
- * buffer could not be allocated; -2 where it does not run (no AVX512-BF16, D not a multiple of
- * 32 or over 128): nothing is written then.
+ * v_stride and out_stride elements apart (each row's heads contiguous). window: a sliding window
+ * W (row i sees keys i - W < j <= i: transformers' and llama.cpp's sliding window), 0 for none.
+ * Returns 0; -1 when a buffer could not be allocated; -2 where it does not run (no AVX512-BF16,
+ * D not a multiple of 32 or over 128): nothing is written then.
  */
 int pd_causal_attention_bf16_generic(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                                      const uint16_t *v, int64_t v_stride, int64_t L, int64_t Hq, int64_t Hkv,
-                                     int64_t D, float scale, uint16_t *out, int64_t out_stride, int threads) {
+                                     int64_t D, float scale, int64_t window, uint16_t *out, int64_t out_stride,
+                                     int threads) {
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)L, (void)Hq, (void)Hkv, (void)D;
-    (void)scale, (void)out, (void)out_stride, (void)threads;
+    (void)scale, (void)window, (void)out, (void)out_stride, (void)threads;
     return -2;
 }

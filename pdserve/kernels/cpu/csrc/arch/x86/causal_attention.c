@@ -21,7 +21,11 @@
  * softmax in fp32 (its maximum subtracted, exp_nonpositive), the probabilities rounded to bf16
  * for the values' product, the sums in fp32, divided by the fp32 sum of the unrounded
  * probabilities, and the output rounded to bf16 (nearest even). A row's keys past its own
- * position are left out (causal). tests/kernels/cpu/test_causal_attention.py holds it to SDPA.
+ * position are left out (causal), and with a sliding window W so are those W or more positions
+ * before it (row i sees keys i - W < j <= i): a pass skips the tiles of keys and the key pairs
+ * wholly before its first row's window, and masks the rest, so a long prompt costs O(L W), not
+ * O(L^2). Without a window (W = 0) the operations are those of no window at all.
+ * tests/kernels/cpu/test_causal_attention.py holds it to SDPA.
  *
  * The kernel needs AVX512-BF16: pd_causal_attention_bf16 here is the native twin of
  * causal_attention.c's pd_causal_attention_bf16_generic, which says "not here" (-2) so that the
@@ -91,36 +95,47 @@ static inline __attribute__((always_inline)) void score_tiles(const uint16_t *q,
             _mm512_storeu_ps(scores + r * row_stride + 16 * (t + c), _mm512_mul_ps(acc[r][c], scale_v));
 }
 
+/* Lanes lo .. hi - 1 of 16 (lo may be negative, hi > 0). */
+static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
+    return (__mmask16)(first_lanes(hi) & (lo > 0 ? (__mmask16)~first_lanes(lo) : (__mmask16)0xffff));
+}
+
+/* The first key row i sees: i - window + 1 with a window (> 0) shorter than i + 1 keys, else 0. */
+static inline int64_t first_key(int64_t i, int64_t window) { return window > 0 && i + 1 > window ? i + 1 - window : 0; }
+
 /* Rows i0..i0+rows-1 of one query head (q: row i0's head, rows q_stride apart) against keys
- * 0..i0+rows-1: their outputs into out (row i0's head, out_stride apart). scores [rows][keys
+ * 0..i0+rows-1 (from first_key(i0) on with a window: the tiles and key pairs before it are
+ * skipped): their outputs into out (row i0's head, out_stride apart). scores [rows][keys
  * rounded up to 16] and probs [rows][keys rounded up to 2] are the caller's buffers. */
 static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
                                                              const uint32_t *vp, int64_t i0, int rows, int64_t D,
-                                                             float scale, float *scores, uint16_t *probs,
-                                                             int64_t row_stride, uint16_t *out, int64_t out_stride) {
+                                                             float scale, int64_t window, float *scores,
+                                                             uint16_t *probs, int64_t row_stride, uint16_t *out,
+                                                             int64_t out_stride) {
     const int64_t pairs = D / 2, keys = i0 + rows, tiles = (keys + 15) / 16, key_pairs = (keys + 1) / 2;
+    const int64_t first_tile = first_key(i0, window) / 16; /* keys before it: outside every row's window */
     const __m512 scale_v = _mm512_set1_ps(scale);
-    int64_t t = 0;
+    int64_t t = first_tile;
     for (; t + 2 <= tiles; t += 2) score_tiles(q, q_stride, kp, pairs, t, 2, rows, scale_v, scores, row_stride);
     if (t < tiles) score_tiles(q, q_stride, kp, pairs, t, 1, rows, scale_v, scores, row_stride);
     float inverse[QUERY_ROWS];
-    for (int r = 0; r < rows; r++) { /* row i0 + r: keys 0..i0 + r */
+    for (int r = 0; r < rows; r++) { /* row i0 + r: keys from..i0 + r */
         float *s = scores + r * row_stride;
         uint16_t *pr = probs + r * row_stride;
-        const int64_t n = i0 + r + 1;
+        const int64_t n = i0 + r + 1, from = first_key(i0 + r, window);
         __m512 max = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 live = first_lanes(n - j);
+        for (int64_t j = 16 * first_tile; j < n; j += 16) {
+            const __mmask16 live = lanes_between(from - j, n - j);
             max = _mm512_mask_max_ps(max, live, max, _mm512_maskz_loadu_ps(live, s + j));
         }
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(max));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < 2 * key_pairs; j += 16) {
-            const __mmask16 live = j >= n ? 0 : first_lanes(n - j);
+        for (int64_t j = 16 * first_tile; j < 2 * key_pairs; j += 16) {
+            const __mmask16 live = j >= n ? 0 : lanes_between(from - j, n - j);
             const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), top)));
             sum = _mm512_add_ps(sum, e);
             const __mmask16 within = first_lanes(2 * key_pairs - j);
-            _mm256_mask_storeu_epi16(pr + j, within, fp32x16_to_bf16(e)); /* zeros past the row's keys */
+            _mm256_mask_storeu_epi16(pr + j, within, fp32x16_to_bf16(e)); /* zeros outside the row's keys */
         }
         inverse[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
@@ -128,7 +143,7 @@ static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, 
     __m512 o[QUERY_ROWS][MAX_DIM_VECS];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < vecs; c++) o[r][c] = _mm512_setzero_ps();
-    for (int64_t jp = 0; jp < key_pairs; jp++) {
+    for (int64_t jp = 8 * first_tile; jp < key_pairs; jp++) {
         __m512bh pair[QUERY_ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) pair[r] = (__m512bh)broadcast_u32(probs + r * row_stride + 2 * jp);
@@ -152,8 +167,8 @@ static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, 
 #define QUERY_ROWS_FN(ROWS, DIM)                                                                                       \
     static __attribute__((noinline)) void query_rows_##ROWS##_##DIM(                                                 \
         const uint16_t *q, int64_t q_stride, const uint32_t *kp, const uint32_t *vp, int64_t i0, float scale,          \
-        float *scores, uint16_t *probs, int64_t row_stride, uint16_t *out, int64_t out_stride) {                       \
-        query_rows(q, q_stride, kp, vp, i0, ROWS, DIM, scale, scores, probs, row_stride, out, out_stride);             \
+        int64_t window, float *scores, uint16_t *probs, int64_t row_stride, uint16_t *out, int64_t out_stride) {       \
+        query_rows(q, q_stride, kp, vp, i0, ROWS, DIM, scale, window, scores, probs, row_stride, out, out_stride);     \
     }
 #define QUERY_ROWS_FNS(DIM) QUERY_ROWS_FN(1, DIM) QUERY_ROWS_FN(2, DIM) QUERY_ROWS_FN(3, DIM) QUERY_ROWS_FN(4, DIM)
 QUERY_ROWS_FNS(32)
@@ -166,7 +181,7 @@ QUERY_ROWS_FNS(128)
 /* pd_causal_attention_bf16_generic's contract (causal_attention.c), with AVX512-BF16. */
 int pd_causal_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
-                             float scale, uint16_t *out, int64_t out_stride, int threads) {
+                             float scale, int64_t window, uint16_t *out, int64_t out_stride, int threads) {
     if (D % 32 != 0 || D > 16 * MAX_DIM_VECS || Hkv <= 0 || Hq % Hkv != 0) return -2;
     if (L <= 0) return 0;
     if (threads < 1) threads = 1;
@@ -196,7 +211,8 @@ int pd_causal_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
             uint16_t *o = out + i0 * out_stride + h * D;
 #define ROWS_CASE(ROWS, DIM)                                                                                      \
     case ROWS:                                                                                                    \
-        query_rows_##ROWS##_##DIM(qr, q_stride, kp, vp, i0, scale, my_scores, my_probs, row_stride, o, out_stride); \
+        query_rows_##ROWS##_##DIM(qr, q_stride, kp, vp, i0, scale, window, my_scores, my_probs, row_stride, o,     \
+                                  out_stride);                                                                    \
         break;
 #define DIM_CASE(DIM)                                                                                             \
     case DIM:                                                                                                     \
