@@ -73,10 +73,6 @@ def paged_attention_decode(
     docstring."""
     window = reference.window_size(sliding_window)
     if use_triton(kv_cache_layer):
-        if window:  # the windowed Triton kernel is the reference's for now
-            return reference.paged_attention_decode_ref(
-                query, kv_cache_layer, block_tables, seq_lens, scale, sliding_window=window
-            )
         impl = _triton().paged_attention_decode
     elif forced_backend() != "torch" and cpu_attention.serves(query, kv_cache_layer):
         impl = cpu_attention.paged_attention_decode
@@ -103,13 +99,16 @@ def paged_attention_prefill(
     prefix over them directly (causal fast path); the Triton kernel reads everything from the
     cache and ignores them. ``sliding_window``: the module docstring."""
     window = reference.window_size(sliding_window)
-    triton = use_triton(kv_cache_layer)
-    if triton and not window:  # (the windowed Triton kernel is the reference's for now)
+    if use_triton(kv_cache_layer):
+        if window:
+            return _triton().paged_attention_prefill(
+                query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale, sliding_window=window
+            )
         return _triton().paged_attention_prefill(
             query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale
         )
     self_attention = (
-        None if triton or forced_backend() == "torch" or query.device.type != "cpu" else _cpu_self_attention
+        None if forced_backend() == "torch" or query.device.type != "cpu" else _cpu_self_attention
     )
     return reference.paged_attention_prefill_ref(
         query,

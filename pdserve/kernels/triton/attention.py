@@ -20,6 +20,12 @@ context (flash-decoding): each program then covers one ``PARTITION`` of position
 unnormalized state (accumulator, running max and sum), which ``_combine_partitions_kernel``
 rescales to the global max and sums.
 
+A sliding window ``W`` (``SLIDING``, ``window``: the query at ``p`` sees ``p - W < k <= p``, the
+reference's mask) starts each program at its tile's first row's first visible position, so
+blocks before it are never read, and masks each row's earlier positions; a split decode's
+partitions before the window do nothing. Without one (``SLIDING`` False) the kernel is the
+same as before.
+
 All arithmetic is fp32: K/V/Q are converted right after loading. This is also what makes the
 kernel testable: Triton's CPU interpreter does not compute bf16 arithmetic or ``tl.dot`` on bf16
 correctly. The dots use ``ieee`` precision for fp32 caches (to meet fp32 accuracy) and ``tf32``
@@ -84,6 +90,7 @@ def _paged_attention_kernel(
     part_acc_ptr,  # split decode only: [num_seqs, num_heads, num_partitions, BLOCK_D] fp32
     part_stats_ptr,  # split decode only: [num_seqs, num_heads, num_partitions, 2] fp32 (max, sum)
     scale_log2e,  # softmax scale * log2(e): scores are exponentiated with exp2
+    window,  # SLIDING only: the sliding window W (a row at p sees p - W < k <= p)
     num_seqs,
     num_heads,
     num_partitions,
@@ -110,6 +117,7 @@ def _paged_attention_kernel(
     IS_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PARTITION: tl.constexpr = 0,  # > 0: program_id(2) takes this many context positions (decode)
+    SLIDING: tl.constexpr = False,  # mask (and skip) positions outside each row's window
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -142,6 +150,8 @@ def _paged_attention_kernel(
     else:
         part = 0
         kv_start = 0
+    if SLIDING:  # nothing before the window of the tile's first (earliest) row is read
+        kv_start = tl.maximum(first_pos + q_tile * BLOCK_Q - window + 1, kv_start)
 
     rows = tl.arange(0, BLOCK_M)
     row_tok = q_tile * BLOCK_Q + rows // GROUP_PAD  # token index within the chunk
@@ -178,11 +188,15 @@ def _paged_attention_kernel(
         # Scaled after the dot, not folded into q, so a bf16 q stays exact in a tf32 dot.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= row_pos[:, None]) & pos_valid[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A real row sees the first position of its first tile (position 0, or the partition's
-        # first one, all visible to a decode), so m_new is finite for it; the guard keeps padded
-        # rows and empty partitions free of inf - inf = NaN.
+        # Without a window a real row sees the first position of its first tile (position 0, or
+        # the partition's first one, all visible to a decode), so m_new is finite for it; the
+        # guard keeps padded rows, empty partitions and (with a window) rows whose window starts
+        # after this tile free of inf - inf = NaN: they keep m = -inf and a zero sum and
+        # accumulator until a tile they see (their own position is always in a later one).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
@@ -226,7 +240,8 @@ def _combine_partitions_kernel(
     part_row = (seq * num_heads + head).to(tl.int64) * num_partitions + parts
     m = tl.load(part_stats_ptr + part_row * 2, mask=part_valid, other=float("-inf"))
     l = tl.load(part_stats_ptr + part_row * 2 + 1, mask=part_valid, other=0.0)  # noqa: E741
-    # Partition 0 holds position 0, so the max is finite; empty partitions get weight 0.
+    # The partition holding the last position is never empty (nor is partition 0 without a
+    # window), so the max is finite; empty partitions get weight 0.
     weight = tl.exp2(m - tl.max(m, axis=0))
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
@@ -307,6 +322,7 @@ def launch_paged_attention(
     scale: float,
     out: torch.Tensor,
     partition_size: int = _DECODE_PARTITION,
+    sliding_window: int = 0,  # W > 0: each row sees its last W positions only
 ) -> torch.Tensor:
     """Run the kernel into ``out`` (same shape as ``query``); shapes validated here."""
     group = _check_shapes(query, kv_cache_layer, block_tables)
@@ -334,6 +350,8 @@ def launch_paged_attention(
         num_partitions = decode_partitions(num_seqs, num_kv_heads, max_positions, partition_size)
     else:
         grid = (num_tokens // constexprs["BLOCK_Q"] + num_seqs, num_kv_heads)
+    if sliding_window:
+        constexprs["SLIDING"] = True
     part_acc = part_stats = out  # placeholders unless split
     if num_partitions > 1:
         grid = (*grid, num_partitions)
@@ -351,6 +369,7 @@ def launch_paged_attention(
         part_acc,
         part_stats,
         scale * 1.4426950408889634,  # log2(e)
+        sliding_window,
         num_seqs,
         num_heads,
         num_partitions,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.reference import window_size
 from pdserve.kernels.triton.attention import launch_paged_attention
 from pdserve.kernels.triton.blocks import launch_copy_blocks
 from pdserve.kernels.triton.cache import launch_reshape_and_cache
@@ -35,11 +36,22 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,  # [num_seqs] int32: context length including the query token
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,  # W: the query at p sees p - W < k <= p; None or 0: all
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Single-token attention over each sequence's paged context (GQA by head grouping)."""
     if out is None:
         out = torch.empty_like(query)
-    return launch_paged_attention(query, kv_cache_layer, block_tables, None, seq_lens, scale, out)
+    return launch_paged_attention(
+        query,
+        kv_cache_layer,
+        block_tables,
+        None,
+        seq_lens,
+        scale,
+        out,
+        sliding_window=window_size(sliding_window),
+    )
 
 
 def paged_attention_prefill(
@@ -50,6 +62,8 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,  # [num_seqs] int32: context length including the chunk
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,  # W: the query at p sees p - W < k <= p; None or 0: all
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each query chunk over its cached prefix and itself.
 
@@ -58,7 +72,16 @@ def paged_attention_prefill(
     """
     if out is None:
         out = torch.empty_like(query)
-    return launch_paged_attention(query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale, out)
+    return launch_paged_attention(
+        query,
+        kv_cache_layer,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        out,
+        sliding_window=window_size(sliding_window),
+    )
 
 
 def gather_blocks(

@@ -11,7 +11,8 @@ Accuracy is the *relative error* ``max|out - ref| / max|ref|``, with ``ref`` the
 run in float64 on the same (already rounded) inputs: <= 1e-5 for fp32, <= 1e-2 for bf16.
 Outputs are poisoned with NaN before each run and caches hold NaN wherever no context token
 lives (unused blocks, the tail of a sequence's last block), so an unwritten output element, or a
-masked-out position read without its mask, turns into NaN and fails. Inputs are fresh random
+masked-out position read without its mask, turns into NaN and fails. With a sliding window, a
+decode's positions before its window hold NaN too: the kernel must not read them at all. Inputs are fresh random
 numbers on every run; the seed is printed on failure (``PDSERVE_KERNEL_TEST_SEED`` replays it).
 """
 
@@ -59,6 +60,23 @@ ATTENTION = [
     ("prefill", "bfloat16", 96, 4, 1, 8),
 ]
 DECODE_SEQ_LENS = [1, 16, 17, 70, 33]  # 1 token, a full block, one past it, > a context tile
+# Sliding-window cases: an attention case and its window. Against DECODE_SEQ_LENS (block size
+# 16): 5 starts mid-block, 38 on a block boundary for 70 (and covers 33), 1 sees one position,
+# 100 covers every context; a split decode's early partitions then read nothing. Against
+# PREFILL_CHUNKS: 7 and 20 cut the cached prefixes and the 40-token chunk across its tiles.
+ATTENTION_WINDOW = [
+    (("decode", "float32", 64, 3, 3, 16), 5),
+    (("decode", "bfloat16", 128, 8, 2, 16), 38),
+    (("decode", "float32", 40, 3, 1, 5), 1),
+    (("decode", "bfloat16", 64, 1, 2, 16), 100),
+    (("decode-split", "float32", 64, 1, 2, 16), 5),
+    (("decode-split", "bfloat16", 128, 3, 3, 16), 38),
+    (("prefill", "float32", 64, 1, 2, 16), 7),
+    (("prefill", "bfloat16", 64, 3, 3, 16), 20),
+    (("prefill", "float32", 40, 2, 2, 5), 1),
+    (("dispatch-decode", "float32", 64, 3, 3, 16), 5),  # through pdserve.kernels' dispatcher
+    (("dispatch-prefill", "bfloat16", 64, 3, 3, 16), 20),
+]
 # Prefill chunks: (query tokens, context length including them)
 # (40, 45) spans several query tiles, except at GQA ratio 1 (64-token tiles).
 PREFILL_CHUNKS = [(1, 1), (5, 21), (17, 17), (0, 9), (40, 45), (1, 70)]
@@ -84,6 +102,11 @@ def _attention_id(case: tuple) -> str:
     return f"{kind}-{dtype}-d{head_dim}-gqa{group}-kv{num_kv_heads}-bs{block_size}"
 
 
+def _window_id(case: tuple) -> str:
+    attention, window = case
+    return f"{_attention_id(attention)}-window{window}"
+
+
 def _cache_id(case: tuple) -> str:
     key_dtype, cache_dtype, head_dim, num_kv_heads, block_size = case
     return f"cache-{key_dtype}-into-{cache_dtype}-d{head_dim}-kv{num_kv_heads}-bs{block_size}"
@@ -98,6 +121,8 @@ def _blocks_id(case: tuple) -> str:
 COMPILE = [
     ("decode", "bfloat16", 128, 8),
     ("decode-split", "float32", 64, 3),
+    ("decode-split-window", "bfloat16", 128, 8),
+    ("prefill-window", "float32", 128, 3),
     ("combine_partitions", "bfloat16", 128, 0),
     ("prefill", "float32", 128, 1),
     ("prefill", "float32", 256, 8),
@@ -156,12 +181,13 @@ def _paged_context(
     return layer, torch.nan_to_num(layer.double(), nan=0.0), tables
 
 
-def _run_attention(case: tuple, gen: torch.Generator) -> float:
+def _run_attention(case: tuple, gen: torch.Generator, window: int = 0, dispatcher=None) -> float:
     from pdserve.kernels import reference
     from pdserve.kernels.triton import attention as triton_attention
     from pdserve.kernels.triton import ops as triton_ops
 
     kind, dtype_name, head_dim, group, num_kv_heads, block_size = case
+    windowed = {"sliding_window": window} if window else {}
     dtype = getattr(torch, dtype_name)
     num_heads = group * num_kv_heads
     scale = head_dim**-0.5
@@ -172,27 +198,71 @@ def _run_attention(case: tuple, gen: torch.Generator) -> float:
         seq_lens = [n for _, n in PREFILL_CHUNKS]
         num_tokens = sum(q for q, _ in PREFILL_CHUNKS)
     layer, layer64, tables = _paged_context(gen, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    if window and kind.startswith("decode"):  # what a decode must not read: before its window
+        for seq, seq_len in enumerate(seq_lens):
+            for pos in range(max(0, seq_len - window)):
+                layer[int(tables[seq, pos // block_size]), :, pos % block_size] = math.nan
     # The query is a strided view into a fused QKV buffer, as the model produces it.
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     query = qkv[:, :num_heads]
     out = torch.full((num_tokens, num_heads, head_dim), math.nan, dtype=dtype)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    if kind == "decode":
-        triton_ops.paged_attention_decode(query, layer, tables, seq_lens_t, scale, out=out)
+    if dispatcher is not None and kind == "decode":
+        out = dispatcher.paged_attention_decode(query, layer, tables, seq_lens_t, scale, **windowed)
+    elif kind == "decode":
+        triton_ops.paged_attention_decode(query, layer, tables, seq_lens_t, scale, out=out, **windowed)
     elif kind == "decode-split":
         max_positions = tables.shape[1] * block_size
         assert triton_attention.decode_partitions(len(seq_lens), num_kv_heads, max_positions, 32) == 3
-        triton_attention.launch_paged_attention(query, layer, tables, None, seq_lens_t, scale, out, 32)
+        triton_attention.launch_paged_attention(
+            query, layer, tables, None, seq_lens_t, scale, out, 32, sliding_window=window
+        )
     if kind.startswith("decode"):
-        ref = reference.paged_attention_decode_ref(query.double(), layer64, tables, seq_lens_t, scale)
+        ref = reference.paged_attention_decode_ref(
+            query.double(), layer64, tables, seq_lens_t, scale, **windowed
+        )
     else:
         starts = [0]
         for q_len, _ in PREFILL_CHUNKS:
             starts.append(starts[-1] + q_len)
         qsl = torch.tensor(starts, dtype=torch.int32)
-        triton_ops.paged_attention_prefill(query, layer, tables, qsl, seq_lens_t, scale, out=out)
-        ref = reference.paged_attention_prefill_ref(query.double(), layer64, tables, qsl, seq_lens_t, scale)
+        if dispatcher is not None:
+            out = dispatcher.paged_attention_prefill(query, layer, tables, qsl, seq_lens_t, scale, **windowed)
+        else:
+            triton_ops.paged_attention_prefill(
+                query, layer, tables, qsl, seq_lens_t, scale, out=out, **windowed
+            )
+        ref = reference.paged_attention_prefill_ref(
+            query.double(), layer64, tables, qsl, seq_lens_t, scale, **windowed
+        )
     return _relative_error(out, ref)
+
+
+def _run_window(case: tuple, gen: torch.Generator) -> float:
+    """A windowed case; a "dispatch-" one through ``pdserve.kernels`` with
+    ``PDSERVE_KERNELS=triton`` (infinite unless the dispatcher reached the Triton op)."""
+    attention, window = case
+    if not attention[0].startswith("dispatch-"):
+        return _run_attention(attention, gen, window)
+    from pdserve import kernels
+    from pdserve.kernels.triton import ops as triton_ops
+
+    kind = attention[0].removeprefix("dispatch-")
+    real, calls = getattr(triton_ops, f"paged_attention_{kind}"), []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("sliding_window"))
+        return real(*args, **kwargs)
+
+    os.environ["PDSERVE_KERNELS"] = "triton"
+    setattr(triton_ops, f"paged_attention_{kind}", counted)
+    try:
+        # The dispatcher's signature (no ``out``): the kernel's own buffer, so no NaN poisoning.
+        error = _run_attention((kind, *attention[1:]), gen, window, dispatcher=kernels)
+    finally:
+        setattr(triton_ops, f"paged_attention_{kind}", real)
+        del os.environ["PDSERVE_KERNELS"]
+    return error if calls == [window] else math.inf
 
 
 def _run_cache(case: tuple, gen: torch.Generator) -> float:
@@ -268,11 +338,15 @@ def _compile_sm80(case: tuple) -> int:
 
     kind, dtype_name, head_dim, group = case
     ptr = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype_name]
+    windowed = kind.endswith("-window")
+    kind = kind.removesuffix("-window")
     if kind in ("decode", "decode-split", "prefill"):
         kernel = _paged_attention_kernel
         constexprs = attention_constexprs(group, head_dim, kind != "prefill", getattr(torch, dtype_name))
         if kind == "decode-split":
             constexprs["PARTITION"] = 256
+        if windowed:
+            constexprs["SLIDING"] = True
         pointers = {"out_ptr": ptr, "q_ptr": ptr, "kv_ptr": ptr, "scale_log2e": "fp32"}
         pointers |= dict.fromkeys(["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"], "*i32")
         pointers |= dict.fromkeys(["part_acc_ptr", "part_stats_ptr"], "*fp32")
@@ -305,6 +379,7 @@ def _worker(mode: str, case_ids: list[str]) -> None:
     else:
         assert os.environ.get("TRITON_INTERPRET") == "1"
         cases = {_attention_id(c): (_run_attention, c) for c in ATTENTION}
+        cases |= {_window_id(c): (_run_window, c) for c in ATTENTION_WINDOW}
         cases |= {_cache_id(c): (_run_cache, c) for c in CACHE}
         cases |= {_blocks_id(c): (_run_blocks, c) for c in BLOCKS}
     for case_id in case_ids:
@@ -356,10 +431,11 @@ def kernel_results() -> dict[str, dict]:
     ids = {kind: [_attention_id(c) for c in ATTENTION if c[0] == kind] for kind in ("decode", "decode-split")}
     prefill = [_attention_id(c) for c in ATTENTION if c[0] == "prefill"]
     other = [_cache_id(c) for c in CACHE] + [_blocks_id(c) for c in BLOCKS]
+    windows = [_window_id(c) for c in ATTENTION_WINDOW]
     # Roughly equal interpreter time each (a prefill case takes ~3 decode cases).
     work = [
-        ("interpret", prefill[::2] + ids["decode"] + other),
-        ("interpret", prefill[1::2] + ids["decode-split"]),
+        ("interpret", prefill[::2] + ids["decode"] + other + windows[::2]),
+        ("interpret", prefill[1::2] + ids["decode-split"] + windows[1::2]),
         ("compile", [_compile_id(c) for c in COMPILE]),
     ]
     results: dict[str, dict] = {}
@@ -393,6 +469,15 @@ def _result(results: dict[str, dict], case_id: str) -> float:
 def test_kernel_paged_attention_matches_float64_reference(kernel_results: dict, case: tuple) -> None:
     error = _result(kernel_results, _attention_id(case))
     tolerance = TOLERANCE[case[1]]
+    assert error <= tolerance, f"relative error {error:.3g} > {tolerance:g} (seed {SEED}; inf: NaN in output)"
+
+
+@pytest.mark.parametrize("case", ATTENTION_WINDOW, ids=_window_id)
+def test_kernel_paged_attention_with_a_window_matches_float64_reference(
+    kernel_results: dict, case: tuple
+) -> None:
+    error = _result(kernel_results, _window_id(case))
+    tolerance = TOLERANCE[case[0][1]]
     assert error <= tolerance, f"relative error {error:.3g} > {tolerance:g} (seed {SEED}; inf: NaN in output)"
 
 
