@@ -209,7 +209,7 @@ class _CachedPlan:
         )
 
 
-_last_plan = threading.local()  # .entry: a _CachedPlan
+_last_plan = threading.local()  # .entries: {window: the last _CachedPlan built for it}
 
 
 def _decode_plan(
@@ -221,13 +221,15 @@ def _decode_plan(
     tables and lengths equal (by value) copies of the ones it was built from: a few thousand
     ints to compare. Not identity or version counters: the runner builds its metadata under
     ``inference_mode``, whose tensors have no version counter, and a buffer rewritten in place
-    keeps its identity. (The window is part of the key: layers alternating windows replan.)
+    keeps its identity. One plan is kept per window, so that a model whose layers alternate
+    windows (Gemma 3: five sliding layers, then a global one) plans each kind once a pass.
 
     ``window`` (``window_size``'s): each sequence's gather starts at the block of its window's
     first position, and sequences are grouped by what they gather from there. Where every
     window covers its whole context, the plan is the full-attention one, tensor for tensor.
     """
-    last: _CachedPlan | None = getattr(_last_plan, "entry", None)
+    entries: dict[int, _CachedPlan] = getattr(_last_plan, "entries", None) or {}
+    last = entries.get(window)
     if last is not None and last.matches(block_tables, seq_lens, block_size, window):
         return last.groups
     lens = seq_lens.tolist()
@@ -256,7 +258,11 @@ def _decode_plan(
             ends = group_lens[:, None].to(positions.dtype)
             mask = (absolute < ends) & (absolute >= ends - window)
         plan.append(_DecodeGroup(rows, block_ids, mask[:, None, None, :]))
-    _last_plan.entry = _CachedPlan(block_tables.clone(), seq_lens.clone(), block_size, window, plan)
+    entries.pop(window, None)  # the newest last
+    if len(entries) >= 4:  # a model has a window or two: a bound, not a policy
+        del entries[next(iter(entries))]
+    entries[window] = _CachedPlan(block_tables.clone(), seq_lens.clone(), block_size, window, plan)
+    _last_plan.entries = entries
     return plan
 
 

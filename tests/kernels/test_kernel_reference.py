@@ -268,3 +268,17 @@ def test_kernel_reference_refuses_a_window_that_is_not_a_count(bad) -> None:
     assert reference.window_size(None) == reference.window_size(0) == 0
     with pytest.raises(ValueError, match="sliding_window"):
         reference.window_size(bad)
+
+
+def test_kernel_reference_decode_plans_each_window_once_per_batch() -> None:
+    """Layers alternating windows (Gemma 3's sliding and global layers) reuse one plan each."""
+    tables = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 3, 20], dtype=torch.int32)
+    full, windowed = (
+        reference._decode_plan(tables, seq_lens, 16),
+        reference._decode_plan(tables, seq_lens, 16, 8),
+    )
+    assert windowed is not full
+    assert reference._decode_plan(tables, seq_lens, 16) is full
+    assert reference._decode_plan(tables, seq_lens, 16, 8) is windowed
+    assert sum(group.block_ids.numel() for group in windowed) < sum(group.block_ids.numel() for group in full)
