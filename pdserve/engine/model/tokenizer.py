@@ -1,98 +1,52 @@
 """Text <-> token ids, and chat prompts, over a ``tokenizers.Tokenizer``.
 
-A GGUF carries no ``tokenizer.json``: it stores the vocabulary, merges, token types and the name
-of llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``). ``Tokenizer.from_gguf`` rebuilds the
-byte-level BPE from those. The pre-tokenizer is chosen the way llama.cpp chooses its regexes for
-that name, because that is how the model's training text was split. For SmolLM ("smollm") that
-is StarCoder's: digits split one by one, then GPT-2's byte-level regex. (transformers 5.23 does
-not know "smollm" and falls back to plain GPT-2 splitting, which differs only in how a run of
-two or more spaces before a digit is grouped: ``"x  1"`` -> ``x|ĠĠ|1`` here, ``x|Ġ|Ġ|1`` there.)
+``Tokenizer.from_gguf`` rebuilds a GGUF file's tokenizer from its metadata so that it gives
+llama.cpp's ids (``gguf_tokenizer``: byte-level BPE and SentencePiece, the file's BOS/EOS rule);
+``Tokenizer.from_file`` loads an HF directory's ``tokenizer.json``. ``encode(text)`` gives the
+text's tokens alone; ``encode(text, add_special_tokens=True)`` adds what the model adds to a
+prompt (a GGUF file's ``add_bos_token`` / ``add_eos_token``, a ``tokenizer.json``'s
+post-processor): that is how a plain-text prompt is tokenized, while a prompt rendered by the chat
+template (which writes its own BOS text) is tokenized without it, as vLLM and llama.cpp's server do.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pdserve.engine.model.gguf_file import GGUFFile
-
-logger = logging.getLogger(__name__)
-
-# llama.cpp token types (llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
-
-# llama.cpp pre-tokenizer names whose first regex is "\p{N}" (one digit per piece), then GPT-2's.
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_GPT2 = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+from pdserve.engine.model.gguf_tokenizer import (
+    UnsupportedTokenizerError,
+    build_gguf_tokenizer,
+    byte_alphabet,
+    byte_level_pre_tokenizer,
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+__all__ = [
+    "NoChatTemplateError",
+    "Tokenizer",
+    "UnsupportedTokenizerError",
+    "byte_alphabet",
+    "byte_level_pre_tokenizer",
+]
+
+NO_CHAT_TEMPLATE = (
+    "the model has no chat template, so chat messages cannot be made into a prompt; "
+    "send the text as a plain prompt instead (/v1/completions works)"
 )
-_REGEX_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
 
 
-def byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The byte-level pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre == pre``."""
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    if pre in _REGEX_SPLITS:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    if pre not in _GPT2:
-        logger.warning("unknown tokenizer.ggml.pre %r: using GPT-2 byte-level splitting", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+class NoChatTemplateError(ValueError):
+    """Chat messages were given to a model whose files carry no chat template."""
 
-
-@lru_cache(maxsize=1)
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, the spelling of byte-level vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 map to U+0100 onwards in order.
-    """
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
-
-
-def _spell_byte_level(token: str, spelled: frozenset[str]) -> str:
-    # Vocabulary entries are stored byte-level-spelled; an entry using other characters
-    # (a raw special token) is re-spelled so BPE can still find it.
-    if set(token) <= spelled:
-        return token
-    alphabet = byte_alphabet()
-    return "".join(alphabet[b] for b in token.encode("utf-8"))
+    def __init__(self, message: str = NO_CHAT_TEMPLATE) -> None:
+        super().__init__(message)
 
 
 class Tokenizer:
@@ -105,11 +59,14 @@ class Tokenizer:
         eos_token_id: int | None = None,
         bos_token_id: int | None = None,
         chat_template: str | None = None,
+        template_tokens: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        # The special tokens a chat template sees besides bos_token / eos_token (unk_token, ...).
+        self.template_tokens = dict(template_tokens or {})
 
     @property
     def vocab_size(self) -> int:
@@ -124,7 +81,22 @@ class Tokenizer:
         return None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The text's ids; ``add_special_tokens``: with what the model adds to a prompt (BOS...).
+
+        Special tokens written in the text (``<|im_start|>``, ``<bos>``) are parsed as tokens.
+        """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain-text prompt's ids, with the model's BOS/EOS rule (llama.cpp's server, vLLM)."""
+        return self.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages' ids: the rendered template, tokenized with no BOS added (the template
+        writes it when the model wants one) and its special tokens parsed."""
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -133,59 +105,66 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's Jinja chat template (as transformers does)."""
+        """Render ``messages`` with the model's Jinja chat template, as transformers'
+        ``apply_chat_template`` does: the same environment and helpers, and the variables
+        ``messages``, ``add_generation_prompt``, ``tools`` / ``documents`` (none here) and the
+        special tokens the model has (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``).
+
+        Raises ``NoChatTemplateError`` without a template, ``ValueError`` when the template
+        refuses the messages (its ``raise_exception``) or fails.
+        """
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
-        template = _compile_template(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+            raise NoChatTemplateError()
+        import jinja2
+
+        special = {**self.template_tokens}
+        if self.bos_token is not None:
+            special["bos_token"] = self.bos_token
+        if self.eos_token is not None:
+            special["eos_token"] = self.eos_token
+        try:
+            template = _compile_template(self.chat_template)
+            return template.render(
+                **special,
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"messages: the chat template refused them: {exc}") from None
 
     # ---- builders -----------------------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, path: str, reader: GGUFFile | None = None) -> Tokenizer:
-        """Rebuild a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) from GGUF metadata."""
+        """Rebuild the tokenizer of a GGUF file from its metadata (llama.cpp's ids).
+
+        Raises ``UnsupportedTokenizerError`` (a ``ValueError``, one line naming what is supported)
+        for a tokenizer kind or pre-tokenizer that is not built here.
+        """
         reader = reader if reader is not None else GGUFFile(path)
 
         def get(key: str, default: Any = None) -> Any:
             return reader.field(f"tokenizer.{key}", default)
 
-        kind = get("ggml.model")
-        if kind != "gpt2":
-            raise NotImplementedError(f"GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2')")
+        built = build_gguf_tokenizer(get)
         tokens: list[str] = get("ggml.tokens")
-        types: list[int] = get("ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in get("ggml.merges", [])]
-        spelled = frozenset(byte_alphabet().values())
-        vocab = {_spell_byte_level(tok, spelled): i for i, tok in enumerate(tokens)}
-        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = byte_level_pre_tokenizer(get("ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>, ...) must match whole in text and be skippable on decode.
-        backend.add_special_tokens(
-            [
-                AddedToken(t, normalized=False, special=True)
-                for t, ty in zip(tokens, types, strict=True)
-                if ty == _CONTROL
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types, strict=True)
-                if ty == _USER_DEFINED
-            ]
-        )
-        bos, eos = get("ggml.bos_token_id"), get("ggml.eos_token_id")
-        if get("ggml.add_bos_token", False) and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        template_tokens = {
+            name: tokens[i]
+            for name, i in (
+                ("unk_token", get("ggml.unknown_token_id")),
+                ("pad_token", get("ggml.padding_token_id")),
             )
-        return cls(backend, eos_token_id=eos, bos_token_id=bos, chat_template=get("chat_template"))
+            if i is not None and 0 <= i < len(tokens)
+        }
+        return cls(
+            built.backend,
+            eos_token_id=built.eos_token_id,
+            bos_token_id=built.bos_token_id,
+            chat_template=get("chat_template"),
+            template_tokens=template_tokens,
+        )
 
     @classmethod
     def from_file(cls, tokenizer_json_path: str) -> Tokenizer:
@@ -206,11 +185,23 @@ class Tokenizer:
             return value[0] if isinstance(value, list) and value else value
 
         template = tok_cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one is the chat template
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if template is None and os.path.exists(os.path.join(directory, "chat_template.jinja")):
             with open(os.path.join(directory, "chat_template.jinja"), encoding="utf-8") as f:
                 template = f.read()
+        template_tokens = {}
+        for name in ("unk", "pad"):
+            token_id = special_id(name)
+            token = backend.id_to_token(token_id) if token_id is not None else None
+            if token is not None:
+                template_tokens[f"{name}_token"] = token
         return cls(
-            backend, eos_token_id=special_id("eos"), bos_token_id=special_id("bos"), chat_template=template
+            backend,
+            eos_token_id=special_id("eos"),
+            bos_token_id=special_id("bos"),
+            chat_template=template,
+            template_tokens=template_tokens,
         )
 
 
@@ -223,20 +214,51 @@ def _read_json(path: str) -> dict[str, Any]:
 
 @lru_cache(maxsize=8)
 def _compile_template(source: str):
-    """A sandboxed Jinja environment with the helpers HF chat templates call."""
+    """A sandboxed Jinja environment with the helpers transformers gives chat templates."""
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        # ``{% generation %}...{% endgeneration %}`` marks the assistant's part for training
+        # masks in transformers; rendering keeps the body as it is.
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
         # Jinja's own tojson HTML-escapes; templates expect plain JSON.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Namespace(jinja2.utils.Namespace):
+        # As transformers: no underscore-prefixed attributes (no reaching CPython internals).
+        def __setitem__(self, name: str, value: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+            super().__setitem__(name, value)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["namespace"] = Namespace
     return env.from_string(source)
