@@ -14,12 +14,23 @@ def _generate(args: argparse.Namespace) -> int:
     if args.router:
         return _generate_remote(args)
     from pdserve import LLM
+    from pdserve.engine.model.tokenizer import NoChatTemplateError
     from pdserve.engine.request import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len)
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt  # text: the model's add-BOS rule applies
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        try:  # the template writes any BOS itself: token ids, none added on top
+            prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}])
+        except NoChatTemplateError:
+            print(
+                "error: --chat: the model has no chat template; leave out --chat to complete the prompt as plain text",
+                file=sys.stderr,
+            )
+            return 2
+        except ValueError as exc:  # the template refused the message
+            print(f"error: --chat: {exc}", file=sys.stderr)
+            return 2
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

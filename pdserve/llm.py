@@ -134,9 +134,18 @@ class LLM:
         ]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
+        # Text gets the model's add-BOS/EOS rule (as llama.cpp's server and vLLM tokenize a
+        # prompt); token ids are taken as given.
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         return list(prompt)
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages as prompt token ids: the model's chat template, no BOS added on top.
+
+        Raises ``NoChatTemplateError`` when the model has no chat template.
+        """
+        return self.tokenizer.encode_chat(messages, add_generation_prompt)
 
     @staticmethod
     def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

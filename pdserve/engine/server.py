@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import time
 import uuid
 from typing import Any
@@ -422,10 +423,15 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
 
 
 def run_engine_server(args: argparse.Namespace, role: str, kv_role: str | None) -> int:
+    from pdserve.engine.model.tokenizer import check_tokenizer
+
     try:
         config = engine_config_from_args(args, kv_role)
+        # A tokenizer that cannot be built ends the start here, in one line, before the engine
+        # core reads any weight (the router refuses such a model the same way).
+        check_tokenizer(config.model.path)
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve_engine(config, role, args.host, args.port, args.metrics_port, args.drain_timeout))

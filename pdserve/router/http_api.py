@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.model.tokenizer import NoChatTemplateError
 from pdserve.router.auth import OPEN_HTTP_PATHS, ApiKeys, HttpKeyMiddleware
 from pdserve.router.openai_protocol import (
     MAX_CHOICES,
@@ -50,6 +51,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # OpenAI's default max_tokens for /v1/completions; chat defaults to what the context leaves.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# A chat request to a model whose files carry no chat template (Gemma 3 270M's GGUF, say).
+NO_CHAT_TEMPLATE_HTTP = (
+    "This model has no chat template, so /v1/chat/completions cannot make messages into a prompt; "
+    "send the text as a plain prompt to /v1/completions instead."
+)
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
 _STATUS_OF_CODE = {
@@ -303,6 +309,8 @@ class OpenAIServer:
         try:
             prepared = self.servicer.prepare(prompt)
             max_model_len = self.servicer.max_model_len()
+        except NoChatTemplateError:
+            raise OpenAIError(400, NO_CHAT_TEMPLATE_HTTP, param="messages") from None
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=_param_of(str(exc))) from None
         except RouterError as exc:

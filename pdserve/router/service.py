@@ -140,7 +140,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
     def prepare(self, request: router_pb2.GenerateRequest) -> PreparedRequest:
-        """Tokenize and validate; ValueError (-> INVALID_ARGUMENT / HTTP 400) names the field."""
+        """Tokenize and validate; ValueError (-> INVALID_ARGUMENT / HTTP 400) names the field.
+
+        Chat messages given to a model with no chat template raise ``NoChatTemplateError`` (a
+        ValueError saying so, and that a plain prompt works).
+        """
         vocab_size, max_model_len, _ = self._limits()
         if sum(bool(x) for x in (request.prompt, request.prompt_token_ids, request.messages)) > 1:
             raise ValueError("give one of prompt, prompt_token_ids or messages")
@@ -154,12 +158,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         f"messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}"
                     )
             conversation = [{"role": m.role, "content": m.content} for m in request.messages]
-            tokens = self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation))
+            # Rendered by the model's template (which writes the BOS text itself when the model
+            # wants one), then tokenized with no BOS added (vLLM's and llama.cpp's way).
+            tokens = self.tokenizer.encode_chat(conversation)
+        elif request.prompt and request.apply_chat_template:
+            tokens = self.tokenizer.encode_chat([{"role": "user", "content": request.prompt}])
         elif request.prompt:
-            text = request.prompt
-            if request.apply_chat_template:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            tokens = self.tokenizer.encode(text)
+            # Plain text: the model's add-BOS/EOS rule applies (Gemma's BOS; SmolLM2 adds none).
+            tokens = self.tokenizer.encode_prompt(request.prompt)
         else:
             tokens = [int(t) for t in request.prompt_token_ids]
         validate_prompt(tokens, max_model_len, vocab_size)

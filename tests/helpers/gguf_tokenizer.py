@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pdserve.engine.model.gguf_file import GGUFFile
@@ -39,8 +39,11 @@ def gguf_metadata(path: str) -> dict[str, Any]:
     return {key: reader.field(key) for key in reader.fields}
 
 
-def write_tokenizer_gguf(path: str, metadata: Mapping[str, Any]) -> str:
-    """Write ``metadata`` (with ``general.architecture``) as a GGUF file with no tensors."""
+def write_tokenizer_gguf(
+    path: str, metadata: Mapping[str, Any], add_tensors: Callable[[Any], None] | None = None
+) -> str:
+    """Write ``metadata`` (with ``general.architecture``) as a GGUF file, with no tensors unless
+    ``add_tensors(writer)`` adds some."""
     import gguf
 
     writer = gguf.GGUFWriter(path, str(metadata["general.architecture"]))
@@ -65,6 +68,8 @@ def write_tokenizer_gguf(path: str, metadata: Mapping[str, Any]) -> str:
                 writer.add_array(key, value)
         else:
             raise TypeError(f"{key}: cannot write a {type(value).__name__}")
+    if add_tensors is not None:
+        add_tensors(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -146,3 +151,23 @@ def case_file(name: str, directory: str) -> str:
         else:
             metadata[key] = value
     return write_tokenizer_gguf(os.path.join(directory, f"{name}.gguf"), metadata)
+
+
+def copy_gguf(source: str, path: str, overrides: Mapping[str, Any]) -> str:
+    """A copy of the GGUF file ``source``, tensors included, with metadata keys changed (None
+    removes one): a servable model whose tokenizer metadata says something else."""
+    import gguf
+
+    metadata = gguf_metadata(source)
+    for key, value in overrides.items():
+        if value is None:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = value
+    reader = gguf.GGUFReader(source)
+
+    def add_tensors(writer: Any) -> None:
+        for tensor in reader.tensors:  # a quantized tensor's data is its bytes, row by row
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+
+    return write_tokenizer_gguf(path, metadata, add_tensors)

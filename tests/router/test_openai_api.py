@@ -179,6 +179,21 @@ def test_chat_streamed_deltas_equal_the_non_streamed_content(sdk, grpc_client):
     assert via_grpc.token_ids == choice.model_extra["token_ids"]
 
 
+def test_chat_prompt_is_the_models_template_tokenized_with_its_specials(sdk, tiny_llm):
+    """The tiny model's own ChatML template, rendered as transformers does, its special tokens
+    parsed as tokens and nothing added (the template writes what the model needs)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    reply = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=EXTRA)
+    rendered = tiny_llm.tokenizer.apply_chat_template(messages)
+    assert (
+        rendered
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompt_ids = reply.model_extra["prompt_token_ids"][0]
+    assert prompt_ids == tiny_llm.tokenizer.encode(rendered)
+    assert prompt_ids[0] == tiny_llm.tokenizer.token_to_id("<|im_start|>")
+
+
 def test_chat_default_max_tokens_fills_the_context(sdk):
     reply = sdk.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], extra_body={"ignore_eos": True}, **GREEDY

@@ -174,34 +174,42 @@ class GgufTokenizer:
 Get = Callable[[str, Any], Any]  # tokenizer.<key> of the file, or a default
 
 
+def check_gguf_tokenizer(get: Get) -> None:
+    """Raise ``UnsupportedTokenizerError`` (one line) unless ``build_gguf_tokenizer`` can build
+    this tokenizer: a cheap look at the metadata, before any weight is read."""
+    kind = get("ggml.model", None)
+    if kind not in TOKENIZER_MODELS:
+        raise UnsupportedTokenizerError(
+            f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
+        )
+    if not get("ggml.tokens", None):
+        raise UnsupportedTokenizerError("the GGUF file has no tokenizer.ggml.tokens")
+    if kind == "gpt2":
+        bpe_pre(get("ggml.pre", None))
+    elif get("ggml.scores", None) is None:
+        raise UnsupportedTokenizerError(
+            "a SentencePiece ('llama') GGUF tokenizer needs tokenizer.ggml.scores"
+        )
+
+
 def build_gguf_tokenizer(get: Get) -> GgufTokenizer:
     """Build the tokenizer ``tokenizer.*`` metadata describes (``get("ggml.model", None)``...).
 
     Raises ``UnsupportedTokenizerError`` (one line) for a kind or pre-tokenizer not built here.
     """
+    check_gguf_tokenizer(get)
     kind = get("ggml.model", None)
-    tokens: list[str] | None = get("ggml.tokens", None)
-    if kind not in TOKENIZER_MODELS:
-        raise UnsupportedTokenizerError(
-            f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
-        )
-    if not tokens:
-        raise UnsupportedTokenizerError("the GGUF file has no tokenizer.ggml.tokens")
+    tokens: list[str] = get("ggml.tokens", None)
     types: list[int] = list(get("ggml.token_type", None) or [NORMAL] * len(tokens))
     if kind == "gpt2":
         pre = bpe_pre(get("ggml.pre", None))
         backend = _byte_level_bpe(tokens, types, get("ggml.merges", None) or [], get("ggml.pre", None), pre)
         bos_default, eos_default, add_bos_default = None, None, pre.add_bos
     else:
-        scores = get("ggml.scores", None)
-        if scores is None:
-            raise UnsupportedTokenizerError(
-                "a SentencePiece ('llama') GGUF tokenizer needs tokenizer.ggml.scores"
-            )
-        # llama.cpp's SentencePiece defaults: <unk> <s> </s> = 0 1 2, a space prefix.
+        # llama.cpp's SentencePiece defaults: <unk> <s> </s> = 0 1 2, a space prefix, BOS added.
         unk = get("ggml.unknown_token_id", 0)
         backend = _sentencepiece_bpe(
-            tokens, types, scores, unk if unk is not None and unk < len(tokens) else None,
+            tokens, types, get("ggml.scores", None), unk if unk is not None and unk < len(tokens) else None,
             bool(get("ggml.add_space_prefix", True)),
         )  # fmt: skip
         bos_default, eos_default, add_bos_default = 1, 2, True

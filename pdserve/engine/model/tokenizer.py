@@ -26,6 +26,7 @@ from pdserve.engine.model.gguf_tokenizer import (
     build_gguf_tokenizer,
     byte_alphabet,
     byte_level_pre_tokenizer,
+    check_gguf_tokenizer,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "UnsupportedTokenizerError",
     "byte_alphabet",
     "byte_level_pre_tokenizer",
+    "check_tokenizer",
 ]
 
 NO_CHAT_TEMPLATE = (
@@ -203,6 +205,30 @@ class Tokenizer:
             chat_template=template,
             template_tokens=template_tokens,
         )
+
+
+def check_tokenizer(path: str | None) -> None:
+    """Refuse, before any weight is read, a model whose tokenizer cannot be built: raises
+    ``UnsupportedTokenizerError`` (one line) for a GGUF file's unsupported tokenizer kind or
+    pre-tokenizer, ``ValueError`` for an HF directory without ``tokenizer.json``. A path that does
+    not exist is left for the loader to report; ``None`` is the bundled model."""
+    if path is None:
+        return
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            if len(ggufs) == 1:  # the loader's rule: a directory holding one GGUF means that file
+                path = os.path.join(path, ggufs[0])
+        elif not os.path.exists(os.path.join(path, "tokenizer.json")):
+            raise ValueError(f"{path} has no tokenizer.json")
+    if path.endswith(".gguf") and os.path.isfile(path):
+        reader = GGUFFile(path)
+
+        def get(key: str, default: Any = None) -> Any:
+            return reader.field(f"tokenizer.{key}", default)
+
+        check_gguf_tokenizer(get)
 
 
 def _read_json(path: str) -> dict[str, Any]:
