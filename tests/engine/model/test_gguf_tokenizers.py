@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -140,3 +142,23 @@ def test_llama3_and_qwen2_group_digits_as_llama_cpp_does():
     assert pieces("llama-bpe", "12345 ok") == ["123", "45", "Ġok"]
     assert pieces("qwen2", "12345 ok") == ["1", "2", "3", "4", "5", "Ġok"]
     assert pieces("default", "a, b!!") == ["a", ",", "Ġb", "!!"]
+
+
+def test_engine_and_router_refuse_an_unsupported_tokenizer_at_start(tmp_path):
+    """One line naming what is supported, exit code 2, and nothing loaded: the engine checks the
+    tokenizer before its core reads a weight (this file has none), the router before it serves."""
+    path = _rewritten(tmp_path, pre="made-up-pre")
+    for argv in (
+        ["serve", "--model", path, "--port", "0"],
+        ["router", "--model", path, "--port", "0", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert line.startswith(
+            "error: unsupported tokenizer.ggml.pre 'made-up-pre' (byte-level BPE); supported: "
+        )
+        assert "smollm" in line and "qwen2" in line
