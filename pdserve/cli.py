@@ -17,7 +17,13 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.model.tokenizer import NoChatTemplateError
     from pdserve.engine.request import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len)
+    try:
+        llm = LLM(
+            args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len
+        )
+    except ValueError as exc:  # a tokenizer that cannot be built, a bad --quantization for the file
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     prompt: str | list[int] = args.prompt  # text: the model's add-BOS rule applies
     if args.chat:
         try:  # the template writes any BOS itself: token ids, none added on top

@@ -11,6 +11,7 @@ from typing import cast
 from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore, EngineCoreRequest
 from pdserve.engine.model.loader import load_served_model
+from pdserve.engine.model.tokenizer import check_tokenizer
 from pdserve.engine.outputs import Completion
 from pdserve.engine.request import SamplingParams
 
@@ -48,6 +49,8 @@ class LLM:
         num_blocks: int = 1024,
         enable_prefix_caching: bool = True,
     ) -> None:
+        # A tokenizer that cannot be built is refused before any weight is read.
+        check_tokenizer(model)
         # None: ModelConfig's defaults ("auto", or $PDSERVE_DTYPE / $PDSERVE_QUANTIZATION).
         model_config = ModelConfig(
             path=model,

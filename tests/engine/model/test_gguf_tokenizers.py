@@ -145,11 +145,13 @@ def test_llama3_and_qwen2_group_digits_as_llama_cpp_does():
 
 
 def test_engine_and_router_refuse_an_unsupported_tokenizer_at_start(tmp_path):
-    """One line naming what is supported, exit code 2, and nothing loaded: the engine checks the
-    tokenizer before its core reads a weight (this file has none), the router before it serves."""
+    """One line naming what is supported, exit code 2, and nothing loaded: the engine and
+    ``pdserve generate`` check the tokenizer before reading a weight (this file has none), the
+    router before it serves."""
     path = _rewritten(tmp_path, pre="made-up-pre")
     for argv in (
         ["serve", "--model", path, "--port", "0"],
+        ["generate", "--model", path, "Hello"],
         ["router", "--model", path, "--port", "0", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"],
     ):
         done = subprocess.run(
