@@ -62,7 +62,7 @@ class _Pass:
     segments: list[_Segment]
     num_decodes: int
     hidden: torch.Tensor  # [num_tokens, hidden]
-    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    cos: torch.Tensor  # [num_tokens, rope tables, head_dim] (LlamaForCausalLM.embed)
     sin_signed: torch.Tensor
     meta: AttentionMetadata
     fused: FusedPass | None  # the pass's layers as runs of fused C calls, when they can be

@@ -1,20 +1,30 @@
 """Read a llama.cpp GGUF file into a ``ModelArchConfig`` and a dense state dict.
 
 Weights are dequantised with the ``gguf`` package (the same routine transformers uses), so a
-Q4_1 file gives exactly the float32 values transformers loads from it. Two things llama.cpp's
-converter does must be undone:
+Q4_1 file gives exactly the float32 values transformers loads from it. What llama.cpp's
+converter does is undone:
 
 * GGUF lists tensor dims innermost-first (``[in, out]``); ``GGUFFile`` already hands out
   numpy-ordered arrays (``[out, in]``), and ``dequantize`` keeps that order, so no transpose.
 * For ``llama`` files, ``convert_hf_to_gguf.py`` permutes the rows of q/k projections from HF's
-  "rotate_half" RoPE layout to GGML's interleaved one; ``unpermute_qk`` reverses that (Qwen2
-  files are not permuted).
+  "rotate_half" RoPE layout to GGML's interleaved one; ``unpermute_qk`` reverses that (Qwen2,
+  Qwen3 and Gemma 3 files are not permuted).
+* For ``gemma3`` files it stores every norm weight plus one (Gemma's norms scale by ``1 + w``);
+  the loader subtracts it again, in float32 as transformers does.
+
+What a file does not say is llama.cpp's: a ``gemma3`` file's sliding layers are five of every six
+with a local RoPE base of 10000 unless ``sliding_window_pattern`` / ``rope.freq_base_swa`` say
+otherwise, and ``llama`` / ``qwen2`` / ``qwen3`` files attend to every key (llama.cpp reads no
+sliding window for them: a Mistral converted to arch ``llama`` loses its window, in llama.cpp as
+here).
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import gguf
 import numpy as np
@@ -29,16 +39,15 @@ from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind, dequantize_ref
 
 logger = logging.getLogger(__name__)
 
-# Architectures this loader reads, and whether llama.cpp permuted their q/k rows.
-_PERMUTED_QK = {"llama": True, "qwen2": False}
-
-# GGUF leaf name -> HF parameter name (``{i}`` is the layer index).
+# GGUF leaf name -> HF parameter name (``{i}`` is the layer index), as llama.cpp names Llama's.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -49,6 +58,36 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How llama.cpp wrote one ``general.architecture``: the family that serves it, whether the
+    q/k rows are permuted, its layer tensors' names, and the shift added to its norm weights."""
+
+    family: str
+    permuted_qk: bool = False
+    layer_names: dict[str, str] = dataclass_field(default_factory=lambda: dict(_LAYER_NAMES))
+    norm_shift: float = 0.0
+
+
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# The architectures this loader reads.
+GGUF_ARCHS = {
+    "llama": GGUFArch("llama", permuted_qk=True),
+    "qwen2": GGUFArch("llama"),
+    "qwen3": GGUFArch("qwen3"),
+    "gemma3": GGUFArch("gemma3", layer_names=_GEMMA3_LAYER_NAMES, norm_shift=1.0),
+}
+# llama.cpp's Gemma 3 numbers that older files do not carry (src/models/gemma3.cpp).
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is hidden / heads, not head_dim
 
 
 def open_gguf(path: str) -> GGUFFile:
@@ -72,27 +111,41 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half_dim, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
+def gguf_arch(reader: GGUFFile) -> GGUFArch:
+    """The file's architecture as this loader reads it, or a ValueError naming those it reads."""
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    return GGUF_ARCHS[arch]
+
+
 def read_arch_config(reader: GGUFFile) -> ModelArchConfig:
     """Architecture numbers from ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
+    family = gguf_arch(reader).family
     arch = field(reader, "general.architecture")
-    if arch not in _PERMUTED_QK:
-        raise ValueError(f"GGUF architecture {arch!r} not supported (expected one of {sorted(_PERMUTED_QK)})")
     num_heads = field(reader, f"{arch}.attention.head_count")
     hidden = field(reader, f"{arch}.embedding_length")
+    num_layers = field(reader, f"{arch}.block_count")
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = field(reader, f"{arch}.vocab_size")
     if vocab_size is None:
         vocab_size = len(reader.fields["tokenizer.ggml.tokens"])
+    head_dim = (
+        field(reader, f"{arch}.attention.key_length")
+        or field(reader, f"{arch}.rope.dimension_count")
+        or hidden // num_heads
+    )
+    gemma = (
+        _gemma3_numbers(reader, arch, num_layers, hidden // num_heads, head_dim) if family == "gemma3" else {}
+    )
     return ModelArchConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=field(reader, f"{arch}.feed_forward_length"),
-        num_layers=field(reader, f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=field(reader, f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=field(reader, f"{arch}.attention.key_length")
-        or field(reader, f"{arch}.rope.dimension_count")
-        or hidden // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=field(reader, f"{arch}.context_length", 4096),
@@ -102,7 +155,30 @@ def read_arch_config(reader: GGUFFile) -> ModelArchConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
         rope_scaling=_rope_scaling(reader, arch),
+        family=family,
+        **gemma,
     )
+
+
+def _gemma3_numbers(
+    reader: GGUFFile, arch: str, num_layers: int, hidden_per_head: int, head_dim: int
+) -> dict:
+    """Gemma 3's sliding window, its layers, the local RoPE base and the attention scale, as
+    llama.cpp reads them (``src/models/gemma3.cpp``): what the file lacks is llama.cpp's default."""
+    window = field(reader, f"{arch}.attention.sliding_window")
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer
+        sliding = tuple(bool(flag) for flag in pattern)
+    else:  # every pattern-th layer attends to every key
+        sliding = tuple(i % pattern < pattern - 1 for i in range(num_layers))
+    has_window = bool(window) and any(sliding)
+    return {
+        "sliding_window": int(window) if has_window else None,
+        "sliding_layers": sliding if has_window else None,
+        "rope_local_theta": float(field(reader, f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": float(hidden_per_head if num_layers == _GEMMA3_27B_LAYERS else head_dim),
+        "final_logit_softcapping": field(reader, f"{arch}.final_logit_softcapping"),
+    }
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
@@ -119,19 +195,20 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
     raise NotImplementedError(f"GGUF rope scaling type {kind!r}")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.{i}.{leaf}.{weight|bias}
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
-def _gguf_tensors(reader: GGUFFile) -> list[tuple[GGUFTensor, str]]:
+def _gguf_tensors(reader: GGUFFile, arch: GGUFArch) -> list[tuple[GGUFTensor, str]]:
     """``(tensor, HF name)`` for every tensor the model has a parameter for."""
-    wanted = [(t, name) for t in reader.tensors if (name := _hf_name(t.name)) is not None]
-    skipped = sorted(t.name for t in reader.tensors if _hf_name(t.name) is None)
+    names = arch.layer_names
+    wanted = [(t, name) for t in reader.tensors if (name := _hf_name(t.name, names)) is not None]
+    skipped = sorted(t.name for t in reader.tensors if _hf_name(t.name, names) is None)
     if skipped:
         logger.debug("GGUF tensors without a model parameter (ignored): %s", skipped)
     return wanted
@@ -149,19 +226,19 @@ def _qk_heads(name: str, config: ModelArchConfig) -> int | None:
 def load_gguf_hf_state_dict(
     path: str, dtype: str | torch.dtype = "float32", reader: GGUFFile | None = None
 ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """Dequantised weights under HF Llama names (unfused), q/k un-permuted."""
+    """Dequantised weights under HF names (unfused), q/k un-permuted, norm shifts undone."""
     reader = reader if reader is not None else open_gguf(path)
     torch_dtype = parse_dtype(dtype)
     config = read_arch_config(reader)
-    permuted = _PERMUTED_QK[field(reader, "general.architecture")]
+    arch = gguf_arch(reader)
 
     def convert(item: tuple[GGUFTensor, str]) -> tuple[str, torch.Tensor]:
         tensor, name = item
-        return name, _dequantized(tensor, name, config, permuted).to(torch_dtype)
+        return name, _dequantized(tensor, name, config, arch).to(torch_dtype)
 
     # numpy releases the GIL in the dequantisation kernels, so two threads nearly halve the time.
     with ThreadPoolExecutor(max_workers=max(1, min(4, torch.get_num_threads()))) as pool:
-        state = dict(pool.map(convert, _gguf_tensors(reader)))
+        state = dict(pool.map(convert, _gguf_tensors(reader, arch)))
     return config, state
 
 
@@ -192,11 +269,13 @@ def _densify_mixed_groups(
             logger.info("%s: parts of different types, served dense", ", ".join(parts))
 
 
-def _dequantized(tensor: GGUFTensor, name: str, config: ModelArchConfig, permuted: bool) -> torch.Tensor:
+def _dequantized(tensor: GGUFTensor, name: str, config: ModelArchConfig, arch: GGUFArch) -> torch.Tensor:
     weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    heads = _qk_heads(name, config) if permuted else None
+    heads = _qk_heads(name, config) if arch.permuted_qk else None
     if heads is not None:
         weight = unpermute_qk(weight, heads)
+    if arch.norm_shift and tensor.name.endswith("norm.weight"):  # as transformers' Gemma2TensorProcessor
+        weight = weight.astype(np.float32) - np.float32(arch.norm_shift)
     # np.array copies out of the read-only memmap; torch then owns the memory.
     return torch.from_numpy(np.array(weight, dtype=np.float32))
 
@@ -214,17 +293,17 @@ def load_gguf_blocks(
     reader = reader if reader is not None else open_gguf(path)
     torch_dtype = parse_dtype(dtype)
     config = read_arch_config(reader)
-    permuted = _PERMUTED_QK[field(reader, "general.architecture")]
+    arch = gguf_arch(reader)
     hf_dense: dict[str, torch.Tensor] = {}
     hf_blocks: dict[str, torch.Tensor] = {}
     kinds: dict[str, BlockKind] = {}
-    for tensor, name in _gguf_tensors(reader):
+    for tensor, name in _gguf_tensors(reader, arch):
         rows, in_features = (int(n) for n in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
         if tensor.tensor_type not in KERNEL_KIND or not name.endswith(".weight") or rows == 0:
-            hf_dense[name] = _dequantized(tensor, name, config, permuted)
+            hf_dense[name] = _dequantized(tensor, name, config, arch)
             continue
         kind, blocks = to_kernel_blocks(tensor.tensor_type, tensor.data, rows, in_features)
-        heads = _qk_heads(name, config) if permuted else None
+        heads = _qk_heads(name, config) if arch.permuted_qk else None
         if heads is not None:
             blocks = permute_block_rows(blocks, unpermute_qk(np.arange(rows), heads))
         hf_blocks[name], kinds[name] = blocks, kind

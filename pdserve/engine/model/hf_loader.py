@@ -1,8 +1,9 @@
 """Read a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
 
-Covers Llama-layout checkpoints (Llama, SmolLM, Mistral) and Qwen2 (q/k/v with bias). HF's q/k
-rows are already in the "rotate_half" layout our RoPE uses, so weights go in unchanged apart
-from fusing q/k/v and gate/up.
+Covers the ``model_type``s of ``arch.SUPPORTED_MODEL_TYPES``: Llama-layout checkpoints (Llama,
+SmolLM, Mistral), Qwen2 (q/k/v with bias), Qwen3 and Gemma 3 (text). HF's q/k rows are already in
+the "rotate_half" layout our RoPE uses and Gemma's norm weights are HF's ``w`` of ``1 + w``, so
+weights go in unchanged apart from fusing q/k/v and gate/up.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) over pdserve's paged KV cache.
 
+Mistral is Llama with a sliding window on every layer, Qwen2 Llama with q/k/v biases: both are
+numbers of ``ModelArchConfig``, not code. The other families (``qwen3.py``, ``gemma3.py``) build on
+these classes.
+
 Numerically it follows Hugging Face's ``LlamaForCausalLM`` (RMSNorm in float32, "rotate_half"
 RoPE, GQA, SwiGLU); structurally it follows vLLM: tokens of all sequences are flattened into one
 ``[num_tokens, hidden]`` batch, q/k/v and gate/up are each one fused matmul (4 GEMMs per layer
@@ -13,13 +17,14 @@ convert, and ``weights.build_model`` builds the model from a state dict.
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.model.arch import ModelArchConfig
+from pdserve.engine.model.layers.activation import silu_and_mul
 from pdserve.engine.model.layers.attention import AttentionMetadata, paged_attention
 from pdserve.engine.model.layers.linear import lm_head_logits
 from pdserve.engine.model.layers.norm import RMSNorm
@@ -30,12 +35,13 @@ from pdserve.kernels.cpu import layer_ops as cpu_layer_ops
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_window(layer_index)
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
@@ -48,43 +54,69 @@ class LlamaAttention(nn.Module):
         kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        return self.attend(self.project_qkv(hidden), cos, sin_signed, kv_cache_layer, meta)
+
+    def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, heads + 2 * kv_heads, head_dim]``: the q, k and v heads of one fused projection."""
+        return self.qkv_proj(hidden).view(
+            hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [T, heads + 2 * kv_heads, D], contiguous
+        cos: torch.Tensor,  # [T, 1, D]
+        sin_signed: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """RoPE on q and k, the K/V write, attention over the cache and the output projection."""
+        num_tokens = qkv.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        # TODO(f40-win): pass sliding_window=self.sliding_window always once the kernels take it.
+        window: dict[str, Any] = (
+            {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        )
         if cpu_layer_ops.serves(qkv) and kv_cache_layer.device.type == "cpu" and cos.dtype == qkv.dtype:
             # RoPE in place and the K/V write in one C call; q/k/v as views of the projection.
             cpu_layer_ops.rope_and_cache(qkv, heads, cos, sin_signed, kv_cache_layer, meta.slot_mapping)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale, kv_written=True)
+            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale, kv_written=True, **window)
         else:
             # RoPE on q and k heads at once; q/k/v go to the kernels as strided views (both the
             # torch references and the Triton kernels take strides), saving a copy each.
             qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin_signed)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale)
+            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale, **window)
         return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    """A gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up as one fused projection;
+    ``activation`` is SwiGLU's (Llama) or another family's (``layers.activation``)."""
+
+    def __init__(
+        self, config: ModelArchConfig, activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+    ) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.activation = activation
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_layer_ops.serves(gate_up):  # one C pass, the fused decoder layer's (layer_ops.c)
-            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))
-        size = self.intermediate_size
-        return self.down_proj(F.silu(gate_up[:, :size]) * gate_up[:, size:])
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    """Pre-norm attention and MLP, each added to the residual stream."""
+
+    attention_class: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelArchConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = self.attention_class(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
         self._fused: cpu_decoder_layer.PreparedLayer | None = None
@@ -93,8 +125,9 @@ class LlamaDecoderLayer(nn.Module):
     def fused(self) -> cpu_decoder_layer.PreparedLayer | None:
         """The layer as ``cpu_decoder_layer`` runs it in one C call, or None when it cannot:
         its four projections must be block-held ones the C kernel reads (``--quantization``),
-        alike in their activations (``int8_activations``), with a bias on q/k/v at most. Asked
-        once, after the weights are in place (the first forward pass)."""
+        alike in their activations (``int8_activations``), with a bias on q/k/v at most, and the
+        layer must attend to every key (no sliding window yet). Asked once, after the weights
+        are in place (the first forward pass)."""
         if not self._fused_asked:
             self._fused_asked = True
             attn, mlp = self.self_attn, self.mlp
@@ -106,6 +139,7 @@ class LlamaDecoderLayer(nn.Module):
                 and len({p.int8_activations for p in held}) == 1
                 and all(p.bias is None for p in projections[1:])
                 and self.input_layernorm.eps == self.post_attention_layernorm.eps
+                and attn.sliding_window is None
                 and cpu_decoder_layer.available()
             ):
                 self._fused = cpu_decoder_layer.PreparedLayer(
@@ -144,7 +178,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        decoder_layer: type[nn.Module] = LlamaDecoderLayer,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         # nn.Embedding's own init on the meta device (weights.build_model) goes through torch._refs and
         # pulls in torch._dynamo: 2.3 s of imports at every model load. The table is made here,
@@ -153,8 +192,8 @@ class LlamaModel(nn.Module):
         if not table.is_meta:
             table.normal_()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,15 +201,20 @@ class LlamaForCausalLM(nn.Module):
 
     Logits are a separate call so the runner projects only the rows it samples from (the last
     token of each prefill chunk, every decode token): the vocab matmul is the largest one.
+
+    Another family subclasses it with its own ``decoder_layer`` and ``norm`` classes and, where
+    its numbers differ, its own ``rope_tables``, ``embed`` or ``compute_logits``.
     """
 
-    rope_cos: torch.Tensor  # buffers registered in __init__
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    norm: type[RMSNorm] = RMSNorm
+    rope_cos: torch.Tensor  # buffers registered in __init__: [max_positions, tables, head_dim]
     rope_sin_signed: torch.Tensor
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.decoder_layer, self.norm)
         # The LM head in oneDNN's layout, set by ``weights.pack_linear_weights`` for serving.
         self.packed_lm_head: torch.Tensor | None = None
         # The LM head as GGUF blocks, set by ``weights.install_blocks`` (--quantization).
@@ -181,12 +225,19 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         # cos / cat(-sin, sin) per position, computed once (on the CPU, also under "meta").
-        cos, sin_signed = rope_tables(config)
+        cos, sin_signed = self.rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
         # Every layer's fused form (``fused_pass``), asked once the weights are in place.
         self._fused_layers: cpu_decoder_layer.PreparedLayers | None = None
         self._fused_layers_asked = False
+
+    @staticmethod
+    def rope_tables(config: ModelArchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, cat(-sin, sin))`` ``[max_positions, tables, head_dim]``: one table, every
+        layer's (a family whose layers rotate by several bases stacks one table per base)."""
+        cos, sin_signed = rope_tables(config)
+        return cos.unsqueeze(1), sin_signed.unsqueeze(1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -196,15 +247,15 @@ class LlamaForCausalLM(nn.Module):
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first layer's input ``[T, hidden]`` and the RoPE tables ``[T, 1, D]`` (cos,
-        signed sin) that every layer of the pass shares.
+        """The first layer's input ``[T, hidden]`` and the RoPE tables ``[T, tables, D]`` (cos,
+        signed sin; one table for Llama) that the layers of the pass share.
 
         Apart from ``forward`` so the runner can drive the layers itself (and let a request
         join a pass in flight, see ``ModelRunner.join_decodes``).
         """
         hidden = self.model.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)
-        sin_signed = self.rope_sin_signed[positions].to(hidden.dtype).unsqueeze(1)
+        cos = self.rope_cos[positions].to(hidden.dtype)
+        sin_signed = self.rope_sin_signed[positions].to(hidden.dtype)
         return hidden, cos, sin_signed
 
     def forward(

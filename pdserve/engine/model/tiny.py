@@ -1,9 +1,18 @@
-"""A tiny deterministic random Llama, written as a real HF checkpoint directory, for fast tests.
+"""A tiny deterministic random model, written as a real HF checkpoint directory, for fast tests.
 
-It has GQA (4 query heads over 2 KV heads), an untied LM head, and its own small byte-level BPE
-tokenizer (3 ChatML specials + 256 bytes + a few merges), so any text prompt encodes and the
-vocab matmul stays cheap. Weights are scaled so the logits are peaked (std ~2): greedy tests
-comparing two code paths then fail on bugs, not on float near-ties between random tokens.
+By default a Llama with GQA (4 query heads over 2 KV heads), an untied LM head, and its own small
+byte-level BPE tokenizer (3 ChatML specials + 256 bytes + a few merges), so any text prompt
+encodes and the vocab matmul stays cheap. Weights are scaled so the logits are peaked (std ~2):
+greedy tests comparing two code paths then fail on bugs, not on float near-ties between random
+tokens.
+
+``variant`` picks another family or feature that pdserve serves (``TINY_VARIANTS``), each a
+config transformers builds offline: Llama 3's RoPE scaling with tied embeddings, Mistral's
+sliding window, Qwen2's q/k/v biases, Qwen3's qk-norm with its own ``head_dim``, and Gemma 3
+(GeGLU, four ``1 + w`` norms a layer, qk-norm, five sliding layers to one global, two RoPE
+bases). Shapes follow what a GGUF file can carry to transformers' reader too (its Qwen3 takes
+``head_dim`` 128 and its Gemma 3 ``query_pre_attn_scalar`` 256 and one global layer in six,
+whatever the file says), so a GGUF of each loads alike in pdserve and in transformers.
 """
 
 from __future__ import annotations
@@ -61,6 +70,61 @@ def tiny_tokenizer() -> BackendTokenizer:
     return tokenizer
 
 
+# Window of the tiny sliding-window variants: prompts of a few blocks already reach past it.
+TINY_SLIDING_WINDOW = 32
+
+# variant -> what its config.json changes from the tiny Llama's.
+TINY_VARIANTS: dict[str, dict] = {
+    "llama": {},
+    "llama3": {  # Llama 3.1's scaling (original context 64: every prompt feels it), tied
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "tie_word_embeddings": True,
+    },  # fmt: skip
+    "mistral": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": TINY_SLIDING_WINDOW,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "head_dim": 128,  # not hidden / heads (16)
+        "use_sliding_window": False,
+        "attention_bias": False,
+    },
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": TINY_SLIDING_WINDOW,
+        "sliding_window_pattern": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "tie_word_embeddings": True,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "max_position_embeddings": 2048,
+    },
+}
+
+
 def _weights(
     cfg: dict, generator: torch.Generator, attention_bias: bool, tied: bool
 ) -> dict[str, torch.Tensor]:
@@ -74,13 +138,26 @@ def _weights(
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return randn(out_features, in_features, std=1.0 / math.sqrt(in_features))
 
-    def norm() -> torch.Tensor:  # near 1 but not 1, so a missing norm weight shows
-        return 1.0 + randn(hidden, std=0.1)
+    gemma = cfg["model_type"] == "gemma3_text"
 
-    state = {"model.embed_tokens.weight": randn(cfg["vocab_size"], hidden, std=1.0)}
+    def norm(size: int = hidden) -> torch.Tensor:  # near 1 but not 1, so a missing norm weight shows
+        # Gemma's norms scale by 1 + w: their weights are near 0.
+        return randn(size, std=0.1) + (0.0 if gemma else 1.0)
+
+    # Gemma multiplies its embedding by sqrt(hidden): a table of std 1/sqrt(hidden) enters the
+    # residual stream at std 1, like the others', so the layers' outputs are not drowned by it.
+    state = {
+        "model.embed_tokens.weight": randn(cfg["vocab_size"], hidden, std=hidden**-0.5 if gemma else 1.0)
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         state[p + "input_layernorm.weight"] = norm()
+        if cfg["model_type"] in ("qwen3", "gemma3_text"):
+            state[p + "self_attn.q_norm.weight"] = norm(cfg["head_dim"])
+            state[p + "self_attn.k_norm.weight"] = norm(cfg["head_dim"])
+        if gemma:
+            state[p + "pre_feedforward_layernorm.weight"] = norm()
+            state[p + "post_feedforward_layernorm.weight"] = norm()
         state[p + "self_attn.q_proj.weight"] = linear(q_out, hidden)
         state[p + "self_attn.k_proj.weight"] = linear(kv_out, hidden)
         state[p + "self_attn.v_proj.weight"] = linear(kv_out, hidden)
@@ -93,7 +170,8 @@ def _weights(
         state[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         state[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         state[p + "mlp.down_proj.weight"] = linear(hidden, inter)
-    state["model.norm.weight"] = norm()
+    # Gemma's tied LM head is that small table: a final norm of ~4 keeps its logits peaked.
+    state["model.norm.weight"] = norm() + (3.0 if gemma else 0.0)
     if not tied:
         state["lm_head.weight"] = randn(cfg["vocab_size"], hidden, std=2.0 / math.sqrt(hidden))
     return state
@@ -104,37 +182,49 @@ def write_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     *,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     attention_bias: bool = False,
     tie_word_embeddings: bool = False,
+    variant: str = "llama",
 ) -> str:
     """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and
     ``tokenizer_config.json`` into ``directory`` and return it.
 
-    ``attention_bias=True`` writes a Qwen2 checkpoint (q/k/v biases) instead of a Llama one.
+    ``variant`` is one of ``TINY_VARIANTS``; ``attention_bias=True`` means ``variant="qwen2"``.
+    ``num_layers`` (default 2, Gemma 3's 6) and ``tie_word_embeddings`` override the variant's.
     Same arguments, same bytes: weights come from a ``torch.Generator`` seeded with ``seed``.
     """
+    if attention_bias:
+        variant = "qwen2"
+    if variant not in TINY_VARIANTS:
+        raise ValueError(f"tiny variant {variant!r} not in {sorted(TINY_VARIANTS)}")
     torch_dtype = parse_dtype(dtype)
     os.makedirs(directory, exist_ok=True)
     tokenizer = tiny_tokenizer()
-    model_type = "qwen2" if attention_bias else "llama"
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if attention_bias else "LlamaForCausalLM"],
-        "model_type": model_type,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
         **TINY_ARCH,
-        "num_hidden_layers": num_layers,
         "hidden_act": "silu",
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": str(torch_dtype).removeprefix("torch."),
+        **TINY_VARIANTS[variant],
     }
-    if model_type == "llama":
+    if num_layers is not None:
+        cfg["num_hidden_layers"] = num_layers
+        if "layer_types" in cfg:  # the variant's pattern, cut or repeated to the new depth
+            pattern = TINY_VARIANTS[variant]["layer_types"]
+            cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(num_layers)]
+    if tie_word_embeddings:
+        cfg["tie_word_embeddings"] = True
+    if cfg["model_type"] == "llama":
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
     generator = torch.Generator().manual_seed(seed)
-    state = _weights(cfg, generator, attention_bias, tie_word_embeddings)
+    state = _weights(cfg, generator, cfg["model_type"] == "qwen2", cfg["tie_word_embeddings"])
     state = {name: tensor.to(torch_dtype).contiguous() for name, tensor in state.items()}
     save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
@@ -148,7 +238,7 @@ def write_tiny_model(
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": TINY_ARCH["max_position_embeddings"],
+        "model_max_length": cfg["max_position_embeddings"],
         "chat_template": CHATML_TEMPLATE,
     }
     with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:

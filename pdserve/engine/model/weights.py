@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from pdserve.engine.model.arch import ModelArchConfig
+from pdserve.engine.model.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.model.gguf_blocks import quantize_q8_0
 from pdserve.engine.model.layers.linear import PackedLinear, can_pack, pack_weight
 from pdserve.engine.model.layers.quant_linear import Interleaved, QuantEmbedding, QuantLinear
 from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model.qwen3 import Qwen3ForCausalLM
 from pdserve.kernels.cpu import quant as cpu_quant
 from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind
 
@@ -33,6 +35,14 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
+
+# ``ModelArchConfig.family`` -> the class that builds it (arch.MODEL_TYPE_FAMILIES and the GGUF
+# loader's architectures map to these names).
+MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
 
 # HF parameter suffixes fused into one of ours: {fused suffix: HF suffixes in concatenation order}
 FUSED_PROJECTIONS = {
@@ -44,7 +54,8 @@ FUSED_PROJECTIONS = {
 def hf_to_model_state_dict(
     hf_state: dict[str, torch.Tensor], config: ModelArchConfig
 ) -> dict[str, torch.Tensor]:
-    """HF Llama/Qwen2 parameter names -> this module's (q/k/v and gate/up concatenated).
+    """HF parameter names -> this module's (q/k/v and gate/up concatenated), for every family:
+    their other names (norms, qk-norms) are HF's.
 
     Drops what this model has no parameter for: ``lm_head.weight`` of tied checkpoints (some
     store a copy) and old ``rotary_emb.inv_freq`` buffers.
@@ -107,8 +118,10 @@ def build_model(
     quantized versions (``install_blocks``) and never get dense memory; the state dict then
     holds the rest (norms, biases, types without a kernel).
     """
+    if config.family not in MODEL_FAMILIES:
+        raise ValueError(f"model family {config.family!r} not in {sorted(MODEL_FAMILIES)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = MODEL_FAMILIES[config.family](config)
     model.load_state_dict(state_dict, strict=not blocks, assign=True)
     if blocks:
         assert dtype is not None, "a block-held embedding decodes to the model's dtype"

@@ -1,9 +1,11 @@
 """The model package's layering: ``pdserve/engine/model/layers/`` is a leaf, and a model family
-(``llama.py``) is built from layers only.
+(``llama.py``, ``qwen3.py``, ``gemma3.py``) is built from layers, the other families building on
+Llama's classes.
 
 A layer module imports nothing of the model but other layers and the architecture numbers: no
-family, no loader, no ``weights.py`` (which walk whole models and import the layers). A family
-imports the layers, never the loaders. Every import counts, at the top, inside a function (lazy)
+family, no loader, no ``weights.py`` (which walk whole models and import the layers). ``llama.py``
+imports the layers only; another family the layers and ``llama.py``, never a third family or a
+loader. Every import counts, at the top, inside a function (lazy)
 or under ``TYPE_CHECKING``: each is an edge a circle can close through. Read from the AST,
 nothing is imported.
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "pdserve" / "engine" / "model"
 LAYERS = MODEL / "layers"
-LAYER_MODULES = {"attention", "linear", "norm", "quant_linear", "rotary"}
+LAYER_MODULES = {"activation", "attention", "linear", "norm", "quant_linear", "rotary"}
 # What of pdserve a layer may import (a prefix: the module or one under it).
 LAYER_MAY_IMPORT = (
     "pdserve.kernels",
@@ -25,8 +27,11 @@ LAYER_MAY_IMPORT = (
     "pdserve.engine.model.layers",
 )
 # Model families, one module each beside llama.py, and what of pdserve they may import.
-FAMILIES = ("llama",)
-FAMILY_MAY_IMPORT = LAYER_MAY_IMPORT
+FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILY_MAY_IMPORT = {
+    "llama": LAYER_MAY_IMPORT,
+    **{family: (*LAYER_MAY_IMPORT, "pdserve.engine.model.llama") for family in FAMILIES[1:]},
+}
 
 
 def module_name(path: Path) -> str:
@@ -74,7 +79,7 @@ def test_the_layers_import_nothing_of_the_model():
 
 
 def test_a_model_family_imports_layers_not_loaders():
-    found = [v for family in FAMILIES for v in violations(MODEL / f"{family}.py", FAMILY_MAY_IMPORT)]
+    found = [v for family in FAMILIES for v in violations(MODEL / f"{family}.py", FAMILY_MAY_IMPORT[family])]
     assert not found, "a model family imports more than its layers:\n" + "\n".join(found)
 
 
@@ -102,3 +107,14 @@ def test_the_checker_sees_lazy_type_checking_and_relative_imports():
             "pdserve.engine.model.loader",
         ]
     )
+
+
+def test_every_family_has_a_module_and_a_class():
+    from pdserve.engine.model.arch import MODEL_TYPE_FAMILIES
+    from pdserve.engine.model.gguf_loader import GGUF_ARCHS
+    from pdserve.engine.model.weights import MODEL_FAMILIES
+
+    assert set(MODEL_FAMILIES) == set(FAMILIES)
+    assert set(MODEL_TYPE_FAMILIES.values()) == set(FAMILIES)
+    assert {arch.family for arch in GGUF_ARCHS.values()} == set(FAMILIES)
+    assert all((MODEL / f"{family}.py").exists() for family in FAMILIES)

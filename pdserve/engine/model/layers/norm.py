@@ -1,4 +1,5 @@
-"""RMSNorm as HF's Llama computes it, one C call where ``cpu_layer_ops`` serves."""
+"""RMSNorm as HF's Llama computes it (one C call where ``cpu_layer_ops`` serves), Gemma's
+``x * (1 + w)`` variant, and the qk-norm that normalises each query and key head (Qwen3, Gemma 3)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,36 @@ class RMSNorm(nn.Module):
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps, delta=delta)
         summed = x + delta
         return summed, self(summed)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """HF's Gemma3RMSNorm: normalise and scale by ``1 + weight`` in float32, then round to the
+    input dtype (Llama rounds before the scale). ``weight`` is HF's (0 means identity); a GGUF
+    file stores ``1 + weight``, which its loader takes back as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.weight.float()
+        if x.dtype == torch.float32 and cpu_layer_ops.serves(x):
+            return cpu_layer_ops.rms_norm(x, scale, self.eps)[1]  # one C call (layer_ops.c)
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, self(x + delta))``, one C call for float32 where ``cpu_layer_ops`` serves."""
+        if x.dtype == delta.dtype == torch.float32 and cpu_layer_ops.serves(x):
+            return cpu_layer_ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, delta=delta)
+        summed = x + delta
+        return summed, self(summed)
+
+
+def norm_qk_heads(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: nn.Module, k_norm: nn.Module
+) -> None:
+    """qk-norm: ``q_norm`` over each query head and ``k_norm`` over each key head of ``qkv``
+    (``[T, heads + 2 * kv_heads, head_dim]``: q, k, v heads), in place, before RoPE; v as it is."""
+    end_k = num_heads + num_kv_heads
+    qkv[:, :num_heads] = q_norm(qkv[:, :num_heads])
+    qkv[:, num_heads:end_k] = k_norm(qkv[:, num_heads:end_k])
