@@ -18,7 +18,7 @@ convert, and ``weights.build_model`` builds the model from a state dict.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -73,21 +73,21 @@ class LlamaAttention(nn.Module):
         """RoPE on q and k, the K/V write, attention over the cache and the output projection."""
         num_tokens = qkv.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        # TODO(f40-win): pass sliding_window=self.sliding_window always once the kernels take it.
-        window: dict[str, Any] = (
-            {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
-        )
         if cpu_layer_ops.serves(qkv) and kv_cache_layer.device.type == "cpu" and cos.dtype == qkv.dtype:
             # RoPE in place and the K/V write in one C call; q/k/v as views of the projection.
             cpu_layer_ops.rope_and_cache(qkv, heads, cos, sin_signed, kv_cache_layer, meta.slot_mapping)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale, kv_written=True, **window)
+            out = paged_attention(
+                q, k, v, kv_cache_layer, meta, self.scale, kv_written=True, sliding_window=self.sliding_window
+            )
         else:
             # RoPE on q and k heads at once; q/k/v go to the kernels as strided views (both the
             # torch references and the Triton kernels take strides), saving a copy each.
             qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin_signed)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-            out = paged_attention(q, k, v, kv_cache_layer, meta, self.scale, **window)
+            out = paged_attention(
+                q, k, v, kv_cache_layer, meta, self.scale, sliding_window=self.sliding_window
+            )
         return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
 
 
