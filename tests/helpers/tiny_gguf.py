@@ -144,7 +144,7 @@ def write_tiny_gguf(directory: str, path: str) -> str:
 
     tokens, types, merges = _vocab(directory)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # the GPT-2 split the tiny BPE uses
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -183,6 +183,18 @@ def test_chunked_prefill_and_decode_equal_one_prefill(tiny_dirs, name):
     torch.testing.assert_close(torch.cat(logits), full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_bfloat16_tracks_float32(tiny_dirs, name):
+    """bf16 (what --dtype auto serves on a CPU with native bf16) rounds where HF does: Gemma's
+    norms after their float32 scale, its embedding scale to bf16."""
+    fp32, bf16 = load_model(tiny_dirs[name]), load_model(tiny_dirs[name], dtype="bfloat16")
+    ids = _prompts(fp32.arch.vocab_size)[-1]
+    reference = prefill_logits(fp32.model, fp32.arch, ids)
+    logits = prefill_logits(bf16.model, bf16.arch, ids)
+    assert (logits - reference).abs().max() < 0.1 * reference.abs().max()
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
 # ---------------------------------------------------------------------- against transformers
 
 
@@ -284,7 +296,7 @@ LLAMACPP_SRC = os.environ.get("PDSERVE_LLAMACPP_SRC", "")
 def test_tiny_gguf_matches_llama_cpp_converter(variant, tiny_dirs, tiny_ggufs, tmp_path):
     """llama.cpp's own ``convert_hf_to_gguf.py --outtype f32`` writes the same tensors, bit for
     bit, and the same metadata as ``write_tiny_gguf``. The converter runs unchanged but for its
-    vocabulary: the tiny BPE's pre-tokenizer is not in its table of hashes (called ``gpt2``
+    vocabulary: the tiny BPE's pre-tokenizer is not in its table of hashes (called ``gpt-2``
     here), and it would import sentencepiece, absent here, before finding no tokenizer.model."""
     import subprocess
 
@@ -295,7 +307,7 @@ def test_tiny_gguf_matches_llama_cpp_converter(variant, tiny_dirs, tiny_ggufs, t
         "def no_sentencepiece(self):\n"
         "    raise FileNotFoundError(self.dir_model / 'tokenizer.model')\n"
         "base.TextModel._create_vocab_sentencepiece = no_sentencepiece\n"
-        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt2'\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
         "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[1:]]\n"
         f"runpy.run_path({os.path.join(LLAMACPP_SRC, 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )
