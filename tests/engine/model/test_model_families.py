@@ -212,6 +212,29 @@ def test_prefill_logits_match_transformers(variant, tiny_dirs):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.slow
+def test_gemma_scaled_global_rope_and_logit_softcap_match_transformers(tmp_path):
+    """What the larger Gemma 3 checkpoints set: a linear RoPE scaling of 8 on the global layers
+    only (4B and up; 4.x ``rope_scaling`` form) and, had they one, a final logit soft-cap."""
+    from transformers import AutoModelForCausalLM
+
+    directory = write_tiny_model(str(tmp_path), seed=5, variant="gemma3")
+    config_path = Path(directory, "config.json")
+    cfg = json.loads(config_path.read_text())
+    cfg.update(rope_scaling={"rope_type": "linear", "factor": 8.0}, final_logit_softcapping=3.0)
+    config_path.write_text(json.dumps(cfg))
+    ours = load_model(directory)
+    assert ours.arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = _prompts(ours.arch.vocab_size)[-1]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    logits = prefill_logits(ours.model, ours.arch, ids)
+    assert expected.abs().max() <= 3.0
+    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(variant, tiny_dirs) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
