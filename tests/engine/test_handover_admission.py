@@ -112,6 +112,17 @@ def four_layer_loaded(tmp_path_factory):
     return load_model(write_tiny_model(str(tmp_path_factory.mktemp("tiny-4-layers")), seed=3, num_layers=4))
 
 
+@pytest.fixture(scope="module")
+def four_layer_gemma_loaded(tmp_path_factory):
+    """As ``four_layer_loaded``, a Gemma 3: every layer reads its RoPE table out of the pass's
+    two (``Gemma3ForCausalLM.embed``), which a joining row must bring along; its four layers
+    are sliding ones (window 32), past which both requests run."""
+    from pdserve.engine.model.tiny import write_tiny_model
+
+    directory = str(tmp_path_factory.mktemp("tiny-gemma3-4-layers"))
+    return load_model(write_tiny_model(directory, seed=3, num_layers=4, variant="gemma3"))
+
+
 def make_core(
     tiny_loaded, handover_step: str = "joined", num_blocks: int = 64
 ) -> tuple[EngineCore, WorkerFakeConnector, Script]:
@@ -234,18 +245,20 @@ def run_remote_arriving_at(loaded, handover_step: str, poll: int, busy_tokens: i
     return core, script
 
 
+@pytest.mark.parametrize("model", ["four_layer_loaded", "four_layer_gemma_loaded"])
 @pytest.mark.parametrize(
     "poll, batch",
     [(0, "a prefill chunk"), (2 * POLLS_PER_STEP, "decodes"), (2 * POLLS_PER_STEP + 1, "decodes")],
 )
 def test_landed_request_joins_the_step_in_flight_with_the_tokens_of_the_next_step(
-    four_layer_loaded, poll, batch
+    request, model, poll, batch
 ):
     """Joined at layer 1 or 2 of the step it landed in, the request's first decode token comes
     with that step, not the next, and every token (its own and the busy request's) is the one
     the ordinary next-step handover gives: the missed layers ran, with the right K/V."""
-    joined_core, joined = run_remote_arriving_at(four_layer_loaded, "joined", poll)
-    core, inflight = run_remote_arriving_at(four_layer_loaded, "inflight", poll)
+    loaded = request.getfixturevalue(model)
+    joined_core, joined = run_remote_arriving_at(loaded, "joined", poll)
+    core, inflight = run_remote_arriving_at(loaded, "inflight", poll)
 
     arrival_step = poll // POLLS_PER_STEP
     assert step_of_first_token(joined, "remote") == arrival_step + 1
