@@ -26,6 +26,12 @@ MODEL_TYPE_FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPE_FAMILIES)
 
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint pdserve cannot serve (its architecture, or a feature of it), raised when its
+    config is read, before any weight: the message is one line naming what is supported."""
+
+
 # HF ``layer_types`` entries: a layer attends over the last ``sliding_window`` keys or all of them.
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -112,13 +118,13 @@ class ModelArchConfig:
         ``rope_parameters``)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in MODEL_TYPE_FAMILIES:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"config.json: model_type {model_type!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         family = MODEL_TYPE_FAMILIES[model_type]
         if cfg.get("attn_logit_softcapping") is not None:
-            raise ValueError(
+            raise UnsupportedModelError(
                 "config.json: attn_logit_softcapping is not supported (Gemma 2's; Gemma 3 has none)"
             )
         num_heads = cfg["num_attention_heads"]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import parse_dtype
-from pdserve.engine.model.arch import ModelArchConfig
+from pdserve.engine.model.arch import ModelArchConfig, UnsupportedModelError
 from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
 from pdserve.engine.model.gguf_file import GGUFFile, GGUFTensor
 from pdserve.engine.model.weights import FUSED_PROJECTIONS, hf_to_model_state_dict
@@ -112,10 +112,13 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_arch(reader: GGUFFile) -> GGUFArch:
-    """The file's architecture as this loader reads it, or a ValueError naming those it reads."""
+    """The file's architecture as this loader reads it, or ``UnsupportedModelError`` naming
+    those it reads."""
     arch = field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})"
+        )
     return GGUF_ARCHS[arch]
 
 

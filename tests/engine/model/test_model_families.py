@@ -161,6 +161,28 @@ def test_unsupported_architectures_fail_at_load_naming_the_supported(tiny_dirs, 
         load_model(str(path))
 
 
+def test_an_engine_refuses_an_unsupported_model_in_one_line(tiny_dirs, tmp_path):
+    """``pdserve decode`` on a checkpoint of another architecture exits 1 with one line saying
+    why, no loader traceback."""
+    import shutil
+    import subprocess
+
+    directory = tmp_path / "phi3"
+    shutil.copytree(tiny_dirs["qwen3"], directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3"}))
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve", "decode", "--model", str(directory), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr
+    [line] = [line for line in run.stderr.splitlines() if "cannot serve" in line]
+    assert "model_type 'phi3' is not supported (supported: llama, mistral, qwen2, qwen3, gemma3_text)" in line
+
+
 # -------------------------------------------------------------------- the model against itself
 
 
