@@ -32,11 +32,17 @@ CONFIG = ModelArchConfig(
 
 
 def quantized_layer(
-    dtype: torch.dtype, ggml_type: GGML, bias: bool, seed: int = 0, int8_activations: bool = False
+    dtype: torch.dtype,
+    ggml_type: GGML,
+    bias: bool,
+    seed: int = 0,
+    int8_activations: bool = False,
+    sliding_window: int | None = None,
 ) -> LlamaDecoderLayer:
     """A decoder layer of CONFIG with random weights, its projections held as ``ggml_type`` blocks
-    (quantizing their activations to int8 with ``int8_activations``: ``--quantization gguf-a8``)."""
-    config = ModelArchConfig(**{**CONFIG.to_dict(), "attention_bias": bias})
+    (quantizing their activations to int8 with ``int8_activations``: ``--quantization gguf-a8``),
+    attending through ``sliding_window`` as Mistral's layers do."""
+    config = ModelArchConfig(**{**CONFIG.to_dict(), "attention_bias": bias, "sliding_window": sliding_window})
     gen = torch.Generator().manual_seed(seed)
     layer = LlamaDecoderLayer(config)
     with torch.no_grad():

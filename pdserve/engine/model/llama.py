@@ -125,9 +125,9 @@ class LlamaDecoderLayer(nn.Module):
     def fused(self) -> cpu_decoder_layer.PreparedLayer | None:
         """The layer as ``cpu_decoder_layer`` runs it in one C call, or None when it cannot:
         its four projections must be block-held ones the C kernel reads (``--quantization``),
-        alike in their activations (``int8_activations``), with a bias on q/k/v at most, and the
-        layer must attend to every key (no sliding window yet). Asked once, after the weights
-        are in place (the first forward pass)."""
+        alike in their activations (``int8_activations``), and with a bias on q/k/v at most; the
+        layer's sliding window (Mistral's) goes with it. Asked once, after the weights are in
+        place (the first forward pass)."""
         if not self._fused_asked:
             self._fused_asked = True
             attn, mlp = self.self_attn, self.mlp
@@ -139,7 +139,6 @@ class LlamaDecoderLayer(nn.Module):
                 and len({p.int8_activations for p in held}) == 1
                 and all(p.bias is None for p in projections[1:])
                 and self.input_layernorm.eps == self.post_attention_layernorm.eps
-                and attn.sliding_window is None
                 and cpu_decoder_layer.available()
             ):
                 self._fused = cpu_decoder_layer.PreparedLayer(
@@ -156,6 +155,7 @@ class LlamaDecoderLayer(nn.Module):
                     down=blocks[3],
                     qkv_bias=attn.qkv_proj.bias,
                     int8_activations=held[0].int8_activations,
+                    sliding_window=attn.sliding_window,
                 )
         return self._fused
 

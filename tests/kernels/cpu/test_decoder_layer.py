@@ -16,12 +16,12 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from pdserve import LLM
-from pdserve.engine.model import llama
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.layers.attention import AttentionMetadata
 from pdserve.engine.model.layers.quant_linear import QuantLinear
 from pdserve.engine.model.llama import LlamaDecoderLayer
+from pdserve.engine.model.tiny import TINY_SLIDING_WINDOW, write_tiny_model
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
@@ -151,12 +151,28 @@ def test_passes_the_fused_layer_cannot_take_keep_the_per_op_path():
     assert mixed.fused() is None
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int8-a8"])
-def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monkeypatch, quantization):
+@pytest.fixture(scope="module")
+def tiny_mistral_dir(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-mistral")), seed=0, variant="mistral")
+
+
+@pytest.mark.parametrize(
+    "quantization, model",
+    [("int8", "llama"), ("int8-a8", "llama"), ("int8", "mistral")],
+    ids=["int8", "int8-a8", "int8-mistral"],
+)
+def test_serving_int8_weights_gives_the_per_op_paths_tokens(
+    tiny_model_dir, tiny_mistral_dir, monkeypatch, quantization, model
+):
     """End to end: greedy tokens of an int8 engine (decodes of one and of three sequences) are
-    the same with the fused layer and without it, with activations in fp32 or in int8."""
+    the same with the fused layer and without it, with activations in fp32 or in int8; for
+    Mistral, whose every layer attends through its window, past the window too."""
     prompts = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 12, 10, 9]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
+    if model == "mistral":
+        tiny_model_dir = tiny_mistral_dir
+        prompts[2] = [(7 * i) % 50 + 3 for i in range(TINY_SLIDING_WINDOW + 5)]
+        params = SamplingParams(max_tokens=TINY_SLIDING_WINDOW, ignore_eos=True)
 
     layer_counts = []
 
@@ -179,37 +195,23 @@ def test_serving_int8_weights_gives_the_per_op_paths_tokens(tiny_model_dir, monk
     assert fused_tokens == tokens()
 
 
-def _windowed(monkeypatch, window: int, per_op_too: bool = True) -> None:
-    """Layers prepared from here on attend through ``window`` in the fused call (their
-    ``PreparedLayer``), and so does the per-op path (the model's ``paged_attention`` calls) with
-    ``per_op_too``, whatever the model itself passes."""
-    prepare, attend = cpu_decoder_layer.PreparedLayer, llama.paged_attention
-    monkeypatch.setattr(
-        cpu_decoder_layer, "PreparedLayer", lambda *a, **k: prepare(*a, **{**k, "sliding_window": window})
-    )
-    if per_op_too:
-        monkeypatch.setattr(
-            llama, "paged_attention", lambda *a, **k: attend(*a, **{**k, "sliding_window": window})
-        )
-
-
 # decode_inputs' contexts are 5, 28, 51 (block size 16): windows of 1, mid-block, starting on a
 # block boundary for the 28-token context (12) and the 51-token one (35), and beyond them all.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [1, 7, 12, 35, 1000])
 @pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
-def test_the_fused_layer_with_a_window_computes_what_the_per_op_path_does(
-    monkeypatch, dtype, window, int8_activations
-):
+def test_the_fused_layer_with_a_window_computes_what_the_per_op_path_does(dtype, window, int8_activations):
     """As the test without a window: the same K/V, the same bits in bf16; and the window takes
-    (a row whose context it cuts short differs from full attention's, another does not)."""
-    _windowed(monkeypatch, window, per_op_too=False)
-    layer = quantized_layer(dtype, GGML.Q8_0, bias=False, int8_activations=int8_activations)
+    (a row whose context it cuts short differs from full attention's, another does not). The
+    window is the layer's own (Mistral's config), which the fused call takes from it."""
+    layer = quantized_layer(
+        dtype, GGML.Q8_0, bias=False, int8_activations=int8_activations, sliding_window=window
+    )
+    unwindowed = quantized_layer(dtype, GGML.Q8_0, bias=False, int8_activations=int8_activations)
     hidden, cos, sin_signed, cache, meta = decode_inputs(3, dtype)
     reference_cache = cache.clone()
     with torch.inference_mode():
-        full = per_op(layer, hidden, cos, sin_signed, cache.clone()[:, 1], meta)
-        _windowed(monkeypatch, window)
+        full = per_op(unwindowed, hidden, cos, sin_signed, cache.clone()[:, 1], meta)
         assert layer.fused() is not None and layer.fused().args.sliding_window == window
         got = layer(hidden, cos, sin_signed, cache[:, 1], meta)
         want = per_op(layer, hidden, cos, sin_signed, reference_cache[:, 1], meta)
