@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from pdserve.kernels.cpu.build import CLibrary
@@ -44,19 +45,53 @@ class BlockKind(IntEnum):
     Q8_0 = 1
     Q4_1_X16 = 2
     Q8_0_X16 = 3
+    # Held exactly as GGUF stores them, block after block (``kernels/cpu/csrc/quants_k.h``).
+    Q4_0 = 4
+    Q5_0 = 5
+    Q5_1 = 6
+    Q4_K = 7
+    Q5_K = 8
+    Q6_K = 9
 
     @property
     def block_bytes(self) -> int:
-        return 20 if self.plain is BlockKind.Q4_1 else 34
+        """Bytes of one block (of ``block_weights`` weights)."""
+        return _BLOCK_BYTES[self.plain]
+
+    @property
+    def block_weights(self) -> int:
+        """Weights one block holds: 256 for the K-quants, 32 for the others."""
+        return 256 if self in (BlockKind.Q4_K, BlockKind.Q5_K, BlockKind.Q6_K) else BLOCK_SIZE
+
+    def row_bytes(self, in_features: int) -> int:
+        """Bytes of a row of ``in_features`` weights."""
+        return in_features // self.block_weights * self.block_bytes
 
     @property
     def interleaved(self) -> bool:
         return self in (BlockKind.Q4_1_X16, BlockKind.Q8_0_X16)
 
     @property
+    def as_gguf(self) -> bool:
+        """Held exactly as GGUF stores them (``Q4_0`` ... ``Q6_K``): no interleaved twin."""
+        return self >= BlockKind.Q4_0
+
+    @property
     def plain(self) -> BlockKind:
         """The row-major kind holding the same blocks."""
-        return BlockKind(int(self) % 2)
+        return BlockKind(int(self) - 2) if self.interleaved else self
+
+
+_BLOCK_BYTES = {
+    BlockKind.Q4_1: 20,
+    BlockKind.Q8_0: 34,
+    BlockKind.Q4_0: 18,
+    BlockKind.Q5_0: 22,
+    BlockKind.Q5_1: 24,
+    BlockKind.Q4_K: 144,
+    BlockKind.Q5_K: 176,
+    BlockKind.Q6_K: 210,
+}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -74,8 +109,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 # The families of kernels this library links (build.sources): row-major blocks against float and
-# int8 activations, and blocks repacked 16 rows at a time against int8 and bf16 ones.
-FAMILIES = ("quants", "quants_a8", "repack_a8", "repack_bf16")
+# int8 activations, the kinds held as GGUF stores them, and blocks repacked 16 rows at a time
+# against int8 and bf16 ones.
+FAMILIES = ("quants", "quants_a8", "quants_k", "quants_k_a8", "repack_a8", "repack_bf16")
 KERNELS = CLibrary(FAMILIES, _declare, "quantized-weight matmuls")
 
 
@@ -107,9 +143,9 @@ def check_blocks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> Non
     (for an interleaved kind, a multiple of 16 rows)."""
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.dim() != 2:
         raise ValueError("weight blocks must be a contiguous 2-D uint8 tensor")
-    if in_features % BLOCK_SIZE:
-        raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK_SIZE}")
-    if blocks.shape[-1] != in_features // BLOCK_SIZE * kind.block_bytes:
+    if in_features % kind.block_weights:
+        raise ValueError(f"in_features {in_features} is not a multiple of {kind.block_weights}")
+    if blocks.shape[-1] != kind.row_bytes(in_features):
         raise ValueError(f"{kind.name} rows of {blocks.shape[-1]} bytes do not hold {in_features} weights")
     if kind.interleaved and blocks.shape[0] % X16_ROWS:
         raise ValueError(f"{kind.name} holds a multiple of {X16_ROWS} rows, not {blocks.shape[0]}")
@@ -215,8 +251,79 @@ def _block_parts(
     return q, scale, torch.zeros_like(scale)
 
 
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 at the last axis's byte pairs, as float64."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float64)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``get_scale_min_k4`` for all 8 sub-blocks: ``scales [..., 12]`` -> (sc, mn) ``[..., 8]``."""
+    sc = np.concatenate(
+        [scales[..., 0:4] & 63, (scales[..., 8:12] & 15) | ((scales[..., 0:4] >> 6) << 4)], -1
+    )
+    mn = np.concatenate(
+        [scales[..., 4:8] & 63, (scales[..., 8:12] >> 4) | ((scales[..., 4:8] >> 6) << 4)], -1
+    )
+    return sc.astype(np.float64), mn.astype(np.float64)
+
+
+def gguf_sub_block_parts(
+    kind: BlockKind, blocks: torch.Tensor, in_features: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q [rows, subs, 32], d [rows, subs, 2], m [rows, subs, 2])`` of a kind held as GGUF
+    stores it, in float64: ``w[j] = d[j // 16] * q[j] + m[j // 16]`` per 32 weights, the decoding
+    of ``kernels/cpu/csrc/quants_k.h`` written with numpy (each d and m exact)."""
+    check_blocks(kind, blocks, in_features)
+    rows, subs = blocks.shape[0], in_features // BLOCK_SIZE
+    raw = blocks.numpy().reshape(rows, -1, kind.block_bytes)
+    if kind in (BlockKind.Q4_0, BlockKind.Q5_0, BlockKind.Q5_1):
+        d = _fp16(raw[..., 0:2])[..., 0]
+        offset = {BlockKind.Q4_0: 2, BlockKind.Q5_0: 6, BlockKind.Q5_1: 8}[kind]
+        qs = raw[..., offset : offset + 16]
+        q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64)
+        if kind is not BlockKind.Q4_0:
+            qh = raw[..., offset - 4 : offset].copy().view("<u4").astype(np.int64)  # [rows, subs, 1]
+            q |= ((qh >> np.arange(32)) & 1) << 4
+        m = (
+            _fp16(raw[..., 2:4])[..., 0]
+            if kind is BlockKind.Q5_1
+            else d * (-8.0 if kind is BlockKind.Q4_0 else -16.0)
+        )
+        return q.astype(np.float64), np.repeat(d[..., None], 2, -1), np.repeat(m[..., None], 2, -1)
+    supers = raw.shape[1]
+    if kind is BlockKind.Q6_K:
+        ql, qh = (
+            raw[..., 0:128].reshape(rows, supers, 2, 2, 32),
+            raw[..., 128:192].reshape(rows, supers, 2, 1, 32),
+        )
+        scales = raw[..., 192:208].copy().view(np.int8).astype(np.float64).reshape(rows, supers, 2, 4, 2)
+        d = _fp16(raw[..., 208:210])  # [rows, supers, 1]
+        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # [rows, supers, half, t (0-3), 32]
+        high = (qh >> (2 * np.arange(4))[:, None]) & 3
+        q = (low | (high << 4)).astype(np.float64).reshape(rows, subs, 32)
+        dh = (d[..., None, None] * scales).reshape(rows, subs, 2)
+        return q, dh, -32.0 * dh
+    d, dmin = _fp16(raw[..., 0:2]), _fp16(raw[..., 2:4])  # [rows, supers, 1]
+    sc, mn = _k_scale_min(raw[..., 4:16])
+    qs = raw[..., 16:144] if kind is BlockKind.Q4_K else raw[..., 48:176]
+    qs = qs.reshape(rows, supers, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, supers, 8, 32).astype(np.int64)
+    if kind is BlockKind.Q5_K:
+        qh = raw[..., 16:48].astype(np.int64)  # [rows, supers, 32]
+        q |= ((qh[:, :, None, :] >> np.arange(8)[:, None]) & 1) << 4
+    dh = np.repeat((d * sc).reshape(rows, subs, 1), 2, -1)
+    mh = np.repeat((-(dmin * mn)).reshape(rows, subs, 1), 2, -1)
+    return q.astype(np.float64).reshape(rows, subs, 32), dh, mh
+
+
 def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``."""
+    """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``; the kinds held as GGUF
+    stores them ``d * q + m`` per 16 rounded once (the values ggml and the gguf package give)."""
+    if kind.as_gguf:
+        k_q, k_d, k_m = gguf_sub_block_parts(kind, blocks, in_features)
+        rows = blocks.shape[0]
+        halves = k_q.reshape(rows, -1, 2, 16) * k_d[..., None] + k_m[..., None]  # exact in float64
+        return torch.from_numpy(halves.astype(np.float32).reshape(rows, in_features))
     q, scale, minimum = _block_parts(kind, blocks, in_features)
     weights = q * scale[..., None] if kind is BlockKind.Q8_0 else q * scale[..., None] + minimum[..., None]
     return weights.reshape(blocks.shape[0], in_features)
@@ -316,6 +423,13 @@ def quant_matmul_a8_ref(
     """``quant_matmul(..., int8_activations=True)`` in float64: ``sum_b dw d (q . xq) + m s`` per
     block (m: Q4_1's minimum, 0 for Q8_0), every product exact but the last rounding."""
     q, scale, q_sum = (t.double() for t in quantize_activations_ref(x))
+    if kind.as_gguf:  # per half of 32: d q . xq + m sum(xq), times x's scale
+        k_q, k_d, k_m = (torch.from_numpy(t) for t in gguf_sub_block_parts(kind, blocks, in_features))
+        halves = q.reshape(q.shape[0], q.shape[1], 2, 16)
+        dots = torch.einsum("mbhj,nbhj->mnbh", halves, k_q.reshape(*k_q.shape[:2], 2, 16))
+        sums = halves.sum(-1)  # [M, blocks, 2]
+        per_block = (dots * k_d[None]).sum(-1) + (sums[:, None] * k_m[None]).sum(-1)
+        return (per_block * scale[:, None]).sum(-1).to(x.dtype)
     weight_q, weight_d, weight_m = (t.double() for t in _block_parts(kind, blocks, in_features))
     dots = torch.einsum("mbj,nbj->mnb", q, weight_q)  # exact integers
     out = (dots * weight_d[None] * scale[:, None]).sum(-1) + (weight_m[None] * q_sum[:, None]).sum(-1)

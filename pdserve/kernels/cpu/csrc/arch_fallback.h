@@ -30,6 +30,12 @@
 #define pd_quant_a8_gemm_generic pd_quant_a8_gemm
 #endif
 
+/* quants_k.c, quants_k_a8.c: every route in plain C for now (no arch/x86/ twins yet) */
+#define pd_quant_k_gemm_f32_generic pd_quant_k_gemm_f32
+#define pd_quant_k_dequant_generic pd_quant_k_dequant
+#define pd_quant_k_gemm_bf16_generic pd_quant_k_gemm_bf16
+#define pd_quant_k_a8_gemm_generic pd_quant_k_a8_gemm
+
 /* repack_a8.c (AVX512-VNNI), repack_bf16.c (AVX512-BF16) */
 #if !PD_HAS_AVX512_VNNI
 #define pd_repack_a8_gemm_generic pd_repack_a8_gemm

@@ -17,6 +17,10 @@
  * quants.c's header lays them out, and the same blocks interleaved 16 rows at a time for
  * the int8-activation kernels of repack_a8.c (its header has the layout). */
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_1_X16 = 2, KIND_Q8_0_X16 = 3 };
+/* And the kinds held exactly as GGUF stores them (quants_k.h has their layouts), which
+ * pd_quant_matmul, pd_quant_matmul_a8 and pd_quant_dequant hand to quants_k.c. */
+enum { KIND_Q4_0 = 4, KIND_Q5_0 = 5, KIND_Q5_1 = 6, KIND_Q4_K = 7, KIND_Q5_K = 8, KIND_Q6_K = 9 };
+static inline int is_k_kind(int kind) { return kind >= KIND_Q4_0 && kind <= KIND_Q6_K; }
 #define X16 16 /* weight rows an interleaved group holds */
 
 static inline float fp16_to_fp32(uint16_t h) {

@@ -49,6 +49,7 @@
 #include "blocks.h"
 #include "kernels.h"
 #include "quants.h"
+#include "quants_k.h"
 #include "repack.h"
 #include <omp.h>
 
@@ -124,6 +125,13 @@ void pd_quant_gemm_bf16_generic(int kind, const uint16_t *x, int64_t M, int64_t 
  */
 int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     void *y, int y_is_bf16, int threads) {
+    if (is_k_kind(kind)) { /* held as GGUF stores them (quants_k.c) */
+        if (x_is_bf16)
+            pd_quant_k_gemm_bf16(kind, (const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads);
+        else
+            pd_quant_k_gemm_f32(kind, (const float *)x, M, K, w, N, y, y_is_bf16, threads);
+        return 0;
+    }
     if (is_x16(kind)) /* interleaved rows: against bf16 x only (repack_bf16.c) */
         return x_is_bf16 ? pd_repack_bf16_matmul(kind, (const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads) : -2;
     if (x_is_bf16)
@@ -143,6 +151,10 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
  */
 void pd_quant_dequant_generic(int kind, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count, void *out,
                               int out_is_bf16, int threads) {
+    if (is_k_kind(kind)) {
+        pd_quant_k_dequant(kind, w, K, rows, count, out, out_is_bf16, threads);
+        return;
+    }
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
     const int plain = plain_kind(kind);

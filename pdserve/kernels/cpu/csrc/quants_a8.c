@@ -43,6 +43,7 @@
 #include "blocks.h"
 #include "kernels.h"
 #include "quants.h"
+#include "quants_k.h"
 #include "repack.h"
 #include <omp.h>
 
@@ -130,7 +131,9 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
     }
     pd_quant_a8_quantize(x, x_is_bf16, M, K, q, d, s, stride);
     int status;
-    if (is_x16(kind)) /* rows interleaved by 16 (repack_a8.c) */
+    if (is_k_kind(kind)) /* held as GGUF stores them (quants_k.c) */
+        status = pd_quant_k_a8_gemm(kind, q, d, stride, M, K, w, N, y, y_is_bf16, threads);
+    else if (is_x16(kind)) /* rows interleaved by 16 (repack_a8.c) */
         status = pd_repack_a8_matmul(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
     else
         status = pd_quant_a8_gemm(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);

@@ -14,6 +14,7 @@
 #include "bf16.h"
 #include "blocks.h"
 #include "quants.h"
+#include "quants_k.h"
 #include <omp.h>
 
 #define LUT_ROWS_PER_TILE 4 /* rows of x one decode of the lut route serves */
@@ -156,6 +157,10 @@ void pd_quant_gemm_f32(int kind, const float *x, int64_t M, int64_t K, const uin
  * in 512-bit registers, a whole interleaved matrix a 16-row chunk at a time (dequant_x16_all). */
 void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count, void *out,
                       int out_is_bf16, int threads) {
+    if (is_k_kind(kind)) { /* held as GGUF stores them */
+        pd_quant_k_dequant(kind, w, K, rows, count, out, out_is_bf16, threads);
+        return;
+    }
     const int64_t blocks = K / QK;
     const int64_t row_bytes = blocks * block_bytes(kind);
     const int plain = plain_kind(kind);
