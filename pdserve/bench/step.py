@@ -77,7 +77,7 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
     def read_bytes(proj: nn.Linear | PackedLinear | QuantLinear) -> int:
         if isinstance(proj, QuantLinear):
-            return proj.blocks.numel()
+            return sum(blocks.numel() for _, blocks in proj.parts)
         return proj.in_features * proj.out_features * itemsize
 
     total = sum(read_bytes(p) for p in _projections(model))

@@ -31,18 +31,56 @@ CONFIG = ModelArchConfig(
 )
 
 
+# A config whose every projection takes K-quants (rows of whole 256s).
+WIDE_CONFIG = ModelArchConfig(
+    **{**CONFIG.to_dict(), "hidden_size": 256, "intermediate_size": 512, "num_heads": 8}
+)
+# Each K-quant's largest |w| per unit of its fp16 d (sc * q, with 6-bit or int8 scales).
+_K_SPAN = {GGML.Q4_K: 63 * 15, GGML.Q5_K: 63 * 31, GGML.Q6_K: 127 * 32}
+_K_D_OFFSET = {GGML.Q4_K: (0, 2), GGML.Q5_K: (0, 2), GGML.Q6_K: (208,)}
+
+
+def random_gguf_blocks(ggml_type: GGML, rows: int, in_features: int, gen: torch.Generator) -> np.ndarray:
+    """``[rows, row bytes]`` of ``ggml_type``: ``gguf``'s quantization of normal weights of std
+    in_features^-0.5, or for the K-quants (which ``gguf`` does not quantize) random bytes whose
+    fp16 scales keep the weights of that size."""
+    scale = in_features**-0.5
+    if ggml_type not in _K_SPAN:
+        weights = (torch.randn(rows, in_features, generator=gen) * scale).numpy()
+        return gguf.quants.quantize(weights.astype(np.float32), ggml_type)
+    count = rows * in_features // 256
+    block_bytes = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    raw = torch.randint(0, 256, (count, block_bytes), generator=gen, dtype=torch.uint8).numpy()
+    for offset in _K_D_OFFSET[ggml_type]:
+        d = (torch.rand(count, generator=gen) + 0.5) * (4 * scale / _K_SPAN[ggml_type])
+        raw[:, offset : offset + 2] = d.numpy().astype(np.float16).view(np.uint8).reshape(count, 2)
+    return raw.reshape(rows, -1)
+
+
+# The HF parts of each fused projection, for a per-part choice of types.
+_PARTS = {
+    "qkv_proj": ("q", "k", "v"),
+    "o_proj": ("o",),
+    "gate_up_proj": ("gate", "up"),
+    "down_proj": ("down",),
+}
+
+
 def quantized_layer(
     dtype: torch.dtype,
-    ggml_type: GGML,
+    ggml_type: GGML | dict[str, GGML],
     bias: bool,
     seed: int = 0,
     int8_activations: bool = False,
     sliding_window: int | None = None,
+    config: ModelArchConfig = CONFIG,
 ) -> LlamaDecoderLayer:
-    """A decoder layer of CONFIG with random weights, its projections held as ``ggml_type`` blocks
-    (quantizing their activations to int8 with ``int8_activations``: ``--quantization gguf-a8``),
-    attending through ``sliding_window`` as Mistral's layers do."""
-    config = ModelArchConfig(**{**CONFIG.to_dict(), "attention_bias": bias, "sliding_window": sliding_window})
+    """A decoder layer of ``config`` with random weights, its projections held as ``ggml_type``
+    blocks, or each part (``q k v o gate up down``) as its entry of a dict, as llama.cpp's mixed
+    "_M" files hold them (a fused projection of parts of different types is held in parts);
+    quantizing their activations to int8 with ``int8_activations`` (``--quantization gguf-a8``),
+    and attending through ``sliding_window`` as Mistral's layers do."""
+    config = ModelArchConfig(**{**config.to_dict(), "attention_bias": bias, "sliding_window": sliding_window})
     gen = torch.Generator().manual_seed(seed)
     layer = LlamaDecoderLayer(config)
     with torch.no_grad():
@@ -53,17 +91,32 @@ def quantized_layer(
     for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
         dense = getattr(owner, name)
         out_features, in_features = dense.weight.shape
-        weights = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).numpy()
-        raw = gguf.quants.quantize(weights.astype(np.float32), ggml_type)
-        kind, blocks = to_kernel_blocks(ggml_type, raw, out_features, in_features)
+        names = _PARTS[name]
+        types = [ggml_type[part] if isinstance(ggml_type, dict) else ggml_type for part in names]
+        sizes = {
+            "q": config.num_heads * config.head_dim,
+            "k": config.num_kv_heads * config.head_dim,
+            "v": config.num_kv_heads * config.head_dim,
+            "gate": config.intermediate_size,
+            "up": config.intermediate_size,
+        }
+        rows = [sizes.get(part, out_features) for part in names]
+        parts = []
+        for part_type, part_rows in zip(types, rows, strict=True):
+            raw = random_gguf_blocks(part_type, part_rows, in_features, gen)
+            kind, blocks = to_kernel_blocks(part_type, raw, part_rows, in_features)
+            if parts and parts[-1][0] is kind:
+                parts[-1] = (kind, torch.cat([parts[-1][1], blocks]))
+            else:
+                parts.append((kind, blocks))
         b = None if dense.bias is None else (0.1 * torch.randn(out_features, generator=gen)).to(dtype)
-        setattr(owner, name, QuantLinear(kind, blocks, in_features, b))
+        setattr(owner, name, QuantLinear.from_parts(parts, in_features, b))
     if int8_activations:
         use_int8_activations(layer)
     return layer.eval()
 
 
-def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1):
+def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1, config: ModelArchConfig = CONFIG):
     """``(hidden, cos, sin_signed, cache, meta)`` for ``rows`` decode tokens of sequences with
     contexts of different lengths over a two-layer cache (the layer's view steps over the
     other layer, as the engine's does), whose earlier positions hold random K/V."""
@@ -93,7 +146,7 @@ def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1):
         prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
         prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
     )
-    hidden = torch.randn(rows, CONFIG.hidden_size, generator=gen).to(dtype)
+    hidden = torch.randn(rows, config.hidden_size, generator=gen).to(dtype)
     return hidden, cos, sin_signed, cache, meta
 
 

@@ -34,8 +34,8 @@ from pdserve.engine.kv_layout import parse_dtype
 from pdserve.engine.model.arch import ModelArchConfig, UnsupportedModelError
 from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
 from pdserve.engine.model.gguf_file import GGUFFile, GGUFTensor
-from pdserve.engine.model.weights import FUSED_PROJECTIONS, hf_to_model_state_dict
-from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind, dequantize_ref
+from pdserve.engine.model.weights import FUSED_PROJECTIONS, BlockPart, BlockState, hf_to_model_state_dict
+from pdserve.kernels.cpu.quant import BlockKind, dequantize_ref
 
 logger = logging.getLogger(__name__)
 
@@ -254,22 +254,43 @@ def _fused_names(config: ModelArchConfig) -> list[tuple[str, tuple[str, ...]]]:
     ]
 
 
-def _densify_mixed_groups(
+def _split_groups(
     hf_blocks: dict[str, torch.Tensor],
     kinds: dict[str, BlockKind],
     hf_dense: dict[str, torch.Tensor],
     config: ModelArchConfig,
-) -> None:
-    """Move to ``hf_dense`` (decoded) every part of a fused group whose parts are not all blocks
-    of one kind, so each group is fused from one side only."""
-    for _, parts in _fused_names(config):
+) -> dict[str, list[BlockPart]]:
+    """The fused groups whose parts are blocks of different kinds (llama.cpp's "_M" files: a Q6_K
+    v beside a Q4_K q and k), taken out of ``hf_blocks`` as parts: ``{fused weight name: [(kind,
+    blocks), ...]}``, consecutive parts of one kind stacked into one. A group only some of whose
+    parts are blocks (a kind with no kernel) moves to ``hf_dense``, decoded, so that each group
+    is fused from one side only."""
+    split: dict[str, list[BlockPart]] = {}
+    for fused, parts in _fused_names(config):
         held = [part for part in parts if part in hf_blocks]
-        if held and (len(held) < len(parts) or len({kinds[part] for part in held}) > 1):
+        if not held:
+            continue
+        if len(held) < len(parts):
             for part in held:
                 blocks, kind = hf_blocks.pop(part), kinds.pop(part)
-                in_features = blocks.shape[1] // kind.block_bytes * BLOCK_SIZE
-                hf_dense[part] = dequantize_ref(kind, blocks, in_features)
-            logger.info("%s: parts of different types, served dense", ", ".join(parts))
+                hf_dense[part] = dequantize_ref(kind, blocks, _in_features(kind, blocks))
+            logger.info("%s: some parts have no kernel, served dense", ", ".join(parts))
+        elif len({kinds[part] for part in parts}) > 1:
+            runs: list[tuple[BlockKind, list[torch.Tensor]]] = []
+            for part in parts:
+                kind, blocks = kinds.pop(part), hf_blocks.pop(part)
+                if runs and runs[-1][0] is kind:
+                    runs[-1][1].append(blocks)
+                else:
+                    runs.append((kind, [blocks]))
+            split[fused] = [
+                (kind, torch.cat(pieces) if len(pieces) > 1 else pieces[0]) for kind, pieces in runs
+            ]
+    return split
+
+
+def _in_features(kind: BlockKind, blocks: torch.Tensor) -> int:
+    return blocks.shape[1] // kind.block_bytes * kind.block_weights
 
 
 def _dequantized(tensor: GGUFTensor, name: str, config: ModelArchConfig, arch: GGUFArch) -> torch.Tensor:
@@ -285,13 +306,13 @@ def _dequantized(tensor: GGUFTensor, name: str, config: ModelArchConfig, arch: G
 
 def load_gguf_blocks(
     path: str, dtype: str | torch.dtype = "float32", reader: GGUFFile | None = None
-) -> tuple[ModelArchConfig, dict[str, torch.Tensor], dict[str, tuple[BlockKind, torch.Tensor]]]:
+) -> tuple[ModelArchConfig, dict[str, torch.Tensor], BlockState]:
     """The file's weights as they are, for ``--quantization gguf``: ``(config, dense, blocks)``.
 
     ``blocks`` maps this model's parameter names (fused q/k/v and gate/up) to kernel blocks
-    (see ``gguf_blocks``); ``dense`` holds the rest (norms, and any tensor of a type without a
-    kernel) dequantised to ``dtype``. A fused projection whose parts differ in type (a Q4_K q
-    with a Q6_K v, as llama.cpp's mixed "_M" files have) is dense as a whole.
+    (see ``gguf_blocks``); ``dense`` holds the rest (norms, F16/BF16/F32 tensors) dequantised to
+    ``dtype``. A fused projection whose parts differ in type (a Q4_K q with a Q6_K v, as
+    llama.cpp's mixed "_M" files have) is held as parts, each in its own kind.
     """
     reader = reader if reader is not None else open_gguf(path)
     torch_dtype = parse_dtype(dtype)
@@ -310,12 +331,13 @@ def load_gguf_blocks(
         if heads is not None:
             blocks = permute_block_rows(blocks, unpermute_qk(np.arange(rows), heads))
         hf_blocks[name], kinds[name] = blocks, kind
-    _densify_mixed_groups(hf_blocks, kinds, hf_dense, config)
+    split = _split_groups(hf_blocks, kinds, hf_dense, config)
     fused_kinds = {name: kinds[parts[0]] for name, parts in _fused_names(config) if parts[0] in hf_blocks}
-    block_state = {
+    block_state: BlockState = {
         name: (fused_kinds[name] if name in fused_kinds else kinds[name], blocks)
         for name, blocks in hf_to_model_state_dict(hf_blocks, config).items()
     }
+    block_state.update(split)
     dense = hf_to_model_state_dict(hf_dense, config)
     return config, {name: t.to(torch_dtype) for name, t in dense.items()}, block_state
 

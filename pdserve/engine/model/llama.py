@@ -124,8 +124,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def fused(self) -> cpu_decoder_layer.PreparedLayer | None:
         """The layer as ``cpu_decoder_layer`` runs it in one C call, or None when it cannot:
-        its four projections must be block-held ones the C kernel reads (``--quantization``),
-        alike in their activations (``int8_activations``), and with a bias on q/k/v at most; the
+        its four projections must be block-held ones the C kernel reads (``--quantization``), of
+        any kinds and mix of kinds, alike in their activations (``int8_activations``), and with a bias on q/k/v at most; the
         layer's sliding window (Mistral's) goes with it. Asked once, after the weights are in
         place (the first forward pass)."""
         if not self._fused_asked:
@@ -133,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
             attn, mlp = self.self_attn, self.mlp
             projections: tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             held = [p for p in projections if isinstance(p, QuantLinear) and p.use_kernel]
-            blocks = [cpu_decoder_layer.BlockWeight(p.kind, p.blocks) for p in held]
+            blocks = [cpu_decoder_layer.BlockWeight(tuple(p.parts)) for p in held]
             if (
                 len(blocks) == len(projections)
                 and len({p.int8_activations for p in held}) == 1

@@ -44,6 +44,11 @@ MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {
     "gemma3": Gemma3ForCausalLM,
 }
 
+# Weights held as GGUF blocks, by model parameter name: ``(kind, blocks)``, or a fused projection's
+# parts of different kinds (``[(kind, blocks), ...]`` in the order of their rows).
+BlockPart = tuple[BlockKind, torch.Tensor]
+BlockState = dict[str, BlockPart | list[BlockPart]]
+
 # HF parameter suffixes fused into one of ours: {fused suffix: HF suffixes in concatenation order}
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -108,7 +113,7 @@ def build_model(
     config: ModelArchConfig,
     state_dict: dict[str, torch.Tensor],
     dtype: torch.dtype | None = None,
-    blocks: dict[str, tuple[BlockKind, torch.Tensor]] | None = None,
+    blocks: BlockState | None = None,
 ) -> LlamaForCausalLM:
     """A ready-to-serve model from its state dict: eval mode, no grads, weights not copied.
 
@@ -167,18 +172,18 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
 
 
-def install_blocks(
-    model: LlamaForCausalLM, blocks: dict[str, tuple[BlockKind, torch.Tensor]], dtype: torch.dtype
-) -> None:
+def install_blocks(model: LlamaForCausalLM, blocks: BlockState, dtype: torch.dtype) -> None:
     """Replace the modules whose ``.weight`` is in ``blocks`` (model parameter names) by their
     quantized versions; the LM head of a tied model reads the embedding's blocks."""
-    for name, (kind, tensor) in blocks.items():
+    for name, held in blocks.items():
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
-        if isinstance(module, nn.Embedding):
+        parts = held if isinstance(held, list) else [held]
+        if isinstance(module, nn.Embedding) and len(parts) == 1:
+            kind, tensor = parts[0]
             _set_submodule(model, module_name, QuantEmbedding.from_embedding(module, kind, tensor, dtype))
         elif isinstance(module, nn.Linear):
-            _set_submodule(model, module_name, QuantLinear.from_linear(module, kind, tensor))
+            _set_submodule(model, module_name, QuantLinear.from_linear(module, parts))
         else:
             raise TypeError(f"{name}: no quantized version of {type(module).__name__}")
     embed = model.model.embed_tokens
@@ -193,11 +198,11 @@ def install_blocks(
 
 def quantize_int8(
     state_dict: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[BlockKind, torch.Tensor]]]:
+) -> tuple[dict[str, torch.Tensor], BlockState]:
     """``(dense, blocks)``: Q8_0 blocks (symmetric int8, one fp16 scale per 32 weights) of every
     matrix of a model state dict (the projections, the embedding, an untied LM head: norms
     and biases are vectors), the rest as it is; for ``build_model(..., blocks=)``."""
-    blocks = {
+    blocks: BlockState = {
         name: (BlockKind.Q8_0, quantize_q8_0(tensor))
         for name, tensor in state_dict.items()
         if tensor.dim() == 2 and tensor.shape[1] % BLOCK_SIZE == 0

@@ -50,6 +50,20 @@ class DecodeMetadata(Protocol):
     def decode_seq_lens(self) -> torch.Tensor: ...  # [num_decodes] int32, incl. the new token
 
 
+WEIGHT_PARTS = 3  # decoder_layer.c's PD_WEIGHT_PARTS: row ranges of one projection (q, k, v)
+
+
+class WeightArgs(ctypes.Structure):
+    """``PdWeight`` of decoder_layer.c, field for field."""
+
+    _fields_ = [
+        ("blocks", ctypes.c_void_p * WEIGHT_PARTS),
+        ("rows", ctypes.c_int64 * WEIGHT_PARTS),
+        ("kinds", ctypes.c_int32 * WEIGHT_PARTS),
+        ("parts", ctypes.c_int32),
+    ]
+
+
 class LayerArgs(ctypes.Structure):
     """``PdDecoderLayer`` of decoder_layer.c, field for field."""
 
@@ -65,14 +79,10 @@ class LayerArgs(ctypes.Structure):
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
         ("qkv_bias", ctypes.c_void_p),
-        ("qkv", ctypes.c_void_p),
-        ("o", ctypes.c_void_p),
-        ("gate_up", ctypes.c_void_p),
-        ("down", ctypes.c_void_p),
-        ("qkv_kind", ctypes.c_int32),
-        ("o_kind", ctypes.c_int32),
-        ("gate_up_kind", ctypes.c_int32),
-        ("down_kind", ctypes.c_int32),
+        ("qkv", WeightArgs),
+        ("o", WeightArgs),
+        ("gate_up", WeightArgs),
+        ("down", WeightArgs),
         ("int8_activations", ctypes.c_int32),
     ]
 
@@ -92,10 +102,19 @@ KERNELS = CLibrary(
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A projection's weight as the C kernel reads it: GGUF block rows of ``kind``."""
+    """A projection's weight as the C kernel reads it: its output rows as one to
+    ``WEIGHT_PARTS`` parts, each GGUF block rows of its own kind (``[rows, row bytes]`` uint8,
+    contiguous), in order."""
 
-    kind: BlockKind
-    blocks: torch.Tensor  # [out_features, in_features / 32 * block bytes] uint8, contiguous
+    parts: tuple[tuple[BlockKind, torch.Tensor], ...]
+
+    def args(self) -> WeightArgs:
+        if not 1 <= len(self.parts) <= WEIGHT_PARTS:
+            raise ValueError(f"a fused layer's weight has 1 to {WEIGHT_PARTS} parts, not {len(self.parts)}")
+        args = WeightArgs(parts=len(self.parts))
+        for i, (kind, blocks) in enumerate(self.parts):
+            args.blocks[i], args.rows[i], args.kinds[i] = blocks.data_ptr(), blocks.shape[0], int(kind)
+        return args
 
 
 class PreparedLayer:
@@ -130,10 +149,10 @@ class PreparedLayer:
         if norms[1].dtype != self.dtype or (bias is not None and bias.dtype != self.dtype):
             raise ValueError("the fused layer's norms and bias must share the activations' dtype")
         weights = (qkv, o, gate_up, down)
-        for weight in weights:
-            if weight.blocks.dtype != torch.uint8 or not weight.blocks.is_contiguous():
-                raise ValueError("the fused layer's weights must be contiguous uint8 block rows")
-        self._alive = [*norms, *(w.blocks for w in weights), *([] if bias is None else [bias])]
+        held = [blocks for weight in weights for _, blocks in weight.parts]
+        if any(blocks.dtype != torch.uint8 or not blocks.is_contiguous() for blocks in held):
+            raise ValueError("the fused layer's weights must be contiguous uint8 block rows")
+        self._alive = [*norms, *held, *([] if bias is None else [bias])]
         self.args = LayerArgs(
             hidden=norms[0].numel(),
             heads=heads,
@@ -146,14 +165,10 @@ class PreparedLayer:
             input_norm=norms[0].data_ptr(),
             post_norm=norms[1].data_ptr(),
             qkv_bias=None if bias is None else bias.data_ptr(),
-            qkv=qkv.blocks.data_ptr(),
-            o=o.blocks.data_ptr(),
-            gate_up=gate_up.blocks.data_ptr(),
-            down=down.blocks.data_ptr(),
-            qkv_kind=int(qkv.kind),
-            o_kind=int(o.kind),
-            gate_up_kind=int(gate_up.kind),
-            down_kind=int(down.kind),
+            qkv=qkv.args(),
+            o=o.args(),
+            gate_up=gate_up.args(),
+            down=down.args(),
             int8_activations=int(int8_activations),
         )
 

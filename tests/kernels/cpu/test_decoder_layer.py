@@ -25,16 +25,71 @@ from pdserve.engine.model.tiny import TINY_SLIDING_WINDOW, write_tiny_model
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu import build as cpu_build
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
+from pdserve.kernels.cpu import quant as cpu_quant
 from tests.helpers.decoder_layer import (
     BLOCK_SIZE,
     CONFIG,
     NUM_BLOCKS,
+    WIDE_CONFIG,
     decode_inputs,
     per_op,
     quantized_layer,
 )
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler here")
+
+
+# llama.cpp's Q4_K_M rule for a layer (attn_v and ffn_down Q6_K in about half the layers), with
+# gate and up apart; and the fallback of rows that are not whole 256s (Gemma 3 270M, SmolLM2).
+MIXES = {
+    "q4_k_m": {"q": GGML.Q4_K, "k": GGML.Q4_K, "v": GGML.Q6_K, "o": GGML.Q4_K, "gate": GGML.Q4_K,
+               "up": GGML.Q5_K, "down": GGML.Q6_K},
+    "q5_0-fallback": {"q": GGML.Q5_0, "k": GGML.Q5_0, "v": GGML.Q8_0, "o": GGML.Q5_0, "gate": GGML.Q4_0,
+                      "up": GGML.Q5_1, "down": GGML.Q8_0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["dtype-x", "int8-x"])
+def test_the_fused_layer_takes_any_mix_of_kinds_per_projection(dtype, mix, rows, int8_activations):
+    """A fused q/k/v or gate/up whose parts differ in kind is held in parts, each as the file
+    holds it, and the one C call still computes what the per-op path does."""
+    layer = quantized_layer(dtype, MIXES[mix], False, int8_activations=int8_activations, config=WIDE_CONFIG)
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert [kind.plain.name for kind, _ in qkv.parts] == [MIXES[mix]["q"].name, MIXES[mix]["v"].name]
+    assert len(gate_up.parts) == 2
+    hidden, cos, sin_signed, cache, meta = decode_inputs(rows, dtype, config=WIDE_CONFIG)
+    reference_cache = cache.clone()
+    with torch.inference_mode():
+        assert layer.fused() is not None
+        assert layer.fused().args.qkv.parts == 2 and layer.fused().args.o.parts == 1
+        got = layer(hidden, cos, sin_signed, cache[:, 1], meta)
+        want = per_op(layer, hidden, cos, sin_signed, reference_cache[:, 1], meta)
+    assert torch.isfinite(got).all()
+    assert torch.equal(cache, reference_cache)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_projection_in_parts_is_the_matmul_of_its_stacked_weights():
+    """Per op, each part is its own kernel call and the outputs sit side by side; a prefill chunk
+    decodes every part into one weight for the GEMM: both are x @ W^T of the whole weight."""
+    layer = quantized_layer(torch.float32, MIXES["q4_k_m"], False, config=WIDE_CONFIG)
+    qkv = layer.self_attn.qkv_proj
+    weight = torch.cat(
+        [cpu_quant.dequantize_ref(kind, blocks, qkv.in_features) for kind, blocks in qkv.parts]
+    )
+    assert weight.shape == (qkv.out_features, qkv.in_features) == (256 + 2 * 64, 256)
+    assert qkv.describe() == "Q4_K+Q6_K"
+    for rows in (2, 40):  # the kernels, and decode-then-GEMM
+        x = torch.randn(rows, qkv.in_features, generator=torch.Generator().manual_seed(rows))
+        expected = x.double() @ weight.double().T
+        got = qkv(x)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -266,7 +321,7 @@ def _prepared_kwargs(layer: LlamaDecoderLayer) -> dict:
     """The arguments ``LlamaDecoderLayer.fused`` prepared ``layer`` with."""
     attn, mlp = layer.self_attn, layer.mlp
     weights = {
-        name: cpu_decoder_layer.BlockWeight(proj.kind, proj.blocks)
+        name: cpu_decoder_layer.BlockWeight(tuple(proj.parts))
         for name, proj in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                            ("down", mlp.down_proj))
     }  # fmt: skip

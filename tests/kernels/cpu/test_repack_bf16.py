@@ -128,8 +128,8 @@ def test_the_fused_layer_over_interleaved_weights_is_its_per_op_path(ggml_type, 
         (layer.mlp, "down_proj"),
     ):
         proj = getattr(owner, name)
-        kind, x16 = cpu_quant.interleave_rows(proj.kind, proj.blocks, proj.in_features)
-        proj.kind, proj.blocks = kind, x16
+        proj.interleave({})
+        assert proj.kind.interleaved
     hidden, cos, sin_signed, cache, meta = decode_inputs(rows, torch.bfloat16)
     reference_cache = cache.clone()
     with torch.inference_mode():

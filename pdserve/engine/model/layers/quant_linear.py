@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.cpu import quant as cpu_quant
-from pdserve.kernels.cpu.quant import BLOCK_SIZE, BlockKind
+from pdserve.kernels.cpu.quant import BlockKind
 from pdserve.kernels.scratch import scratch
 
 # The blocks already interleaved at this load, by the row-major blocks' data pointer: a table
@@ -64,7 +64,12 @@ def _decode(
 
 
 class QuantLinear(nn.Module):
-    """``nn.Linear``'s forward over a weight held as GGUF blocks (buffer ``blocks``)."""
+    """``nn.Linear``'s forward over a weight held as GGUF blocks.
+
+    The weight's output rows are one part or several (``from_parts``), each blocks of its own
+    kind, in order: llama.cpp's "_M" files keep a layer's v in Q6_K and its q and k in Q4_K, so
+    a fused q/k/v is two parts, each read as the file holds it (buffers ``blocks``,
+    ``blocks_1``, ...)."""
 
     blocks: torch.Tensor
 
@@ -72,47 +77,100 @@ class QuantLinear(nn.Module):
         self, kind: BlockKind, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
     ) -> None:
         super().__init__()
-        if blocks.shape[1] != in_features // BLOCK_SIZE * kind.block_bytes:
-            raise ValueError(f"{kind.name} blocks {tuple(blocks.shape)} do not hold rows of {in_features}")
-        blocks = blocks.contiguous()
-        cpu_quant.check_blocks(kind, blocks, in_features)  # once: forward passes checked=True
-        self.kind = kind
         self.in_features = in_features
-        self.out_features = blocks.shape[0]
-        self.register_buffer("blocks", blocks)
+        self.kinds: list[BlockKind] = []
+        self._add_part(kind, blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = cpu_quant.available()
         self.int8_activations = False  # use_int8_activations
 
+    def _add_part(self, kind: BlockKind, blocks: torch.Tensor) -> None:
+        if blocks.dim() != 2 or blocks.shape[1] != kind.row_bytes(self.in_features):
+            raise ValueError(
+                f"{kind.name} blocks {tuple(blocks.shape)} do not hold rows of {self.in_features}"
+            )
+        blocks = blocks.contiguous()
+        cpu_quant.check_blocks(kind, blocks, self.in_features)  # once: forward passes checked=True
+        self.register_buffer(_part_name(len(self.kinds)), blocks)
+        self.kinds.append(kind)
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kind: BlockKind, blocks: torch.Tensor) -> QuantLinear:
-        """The quantized version of a dense projection, ``blocks`` holding its weight; its bias
-        is kept unless it was never loaded (still on the meta device)."""
+    def from_parts(
+        cls, parts: list[tuple[BlockKind, torch.Tensor]], in_features: int, bias: torch.Tensor | None = None
+    ) -> QuantLinear:
+        """A weight whose output rows are ``parts`` in order, each ``(kind, blocks)``."""
+        if not parts:
+            raise ValueError("a quantized projection needs at least one part")
+        linear = cls(parts[0][0], parts[0][1], in_features, bias)
+        for kind, blocks in parts[1:]:
+            linear._add_part(kind, blocks)
+        return linear
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, parts: list[tuple[BlockKind, torch.Tensor]]) -> QuantLinear:
+        """The quantized version of a dense projection, ``parts`` (``(kind, blocks)`` each)
+        holding its weight; its bias is kept unless it was never loaded (still on the meta
+        device)."""
         bias = None if linear.bias is None or linear.bias.is_meta else linear.bias
-        return cls(kind, blocks, linear.in_features, bias)
+        return cls.from_parts(parts, linear.in_features, bias)
+
+    @property
+    def parts(self) -> list[tuple[BlockKind, torch.Tensor]]:
+        """``(kind, blocks)`` of each part, in the order of their output rows."""
+        return [(kind, getattr(self, _part_name(i))) for i, kind in enumerate(self.kinds)]
+
+    @property
+    def kind(self) -> BlockKind:
+        """The kind of a one-part weight."""
+        if len(self.kinds) != 1:
+            raise AttributeError(f"a weight of {len(self.kinds)} parts has no one kind")
+        return self.kinds[0]
+
+    @property
+    def out_features(self) -> int:
+        return sum(blocks.shape[0] for _, blocks in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        parts = self.parts
         if self.use_kernel and (rows.shape[0] <= KERNEL_MAX_ROWS or self.int8_gemm):
-            out = cpu_quant.quant_matmul(
-                rows,
-                self.kind,
-                self.blocks,
-                self.in_features,
-                checked=True,
-                int8_activations=self.int8_activations,
-            )
+            outs = [
+                cpu_quant.quant_matmul(
+                    rows, kind, blocks, self.in_features, checked=True, int8_activations=self.int8_activations
+                )
+                for kind, blocks in parts
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             if self.bias is not None:
                 out = out + self.bias
         else:  # a prefill chunk: the blocks decoded once for torch's GEMM, into a reused buffer
-            weight = _decode(self.kind, self.blocks, self.in_features, x.dtype, self.use_kernel, reuse=True)
+            weight = self._decoded(x.dtype)
             out = F.linear(rows, weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in ``dtype`` (for a prefill chunk's GEMM), each part into its rows."""
+        parts = self.parts
+        if len(parts) == 1:
+            kind, blocks = parts[0]
+            return _decode(kind, blocks, self.in_features, dtype, self.use_kernel, reuse=True)
+        if not self.use_kernel:
+            return torch.cat([cpu_quant.dequantize_ref(k, b, self.in_features).to(dtype) for k, b in parts])
+        weight = scratch(
+            "dequantized_weight", (self.out_features, self.in_features), dtype, parts[0][1].device
+        )
+        first = 0
+        for kind, blocks in parts:
+            cpu_quant.quant_dequantize(
+                kind, blocks, self.in_features, dtype, out=weight[first : first + blocks.shape[0]]
+            )
+            first += blocks.shape[0]
+        return weight
 
     @property
     def int8_gemm(self) -> bool:
         """Prefill chunks too run the int8-activation kernel (interleaved weights: AVX512-VNNI)."""
-        return self.int8_activations and self.kind.interleaved
+        return self.int8_activations and all(kind.interleaved for kind in self.kinds)
 
     def use_int8_activations(self) -> None:
         """Quantize the activations to int8 in the decode kernel (``--quantization gguf-a8 /
@@ -121,27 +179,39 @@ class QuantLinear(nn.Module):
         self.int8_activations = True
 
     def interleave(self, done: Interleaved) -> None:
-        """Hold the blocks interleaved 16 rows at a time, for the kernels that read them so
-        (``cpu_quant.interleave_rows``); whole groups of 16 rows only, and blocks another module
-        interleaved already (``done``) are taken from there, not made twice."""
-        if self.kind.interleaved or self.out_features % cpu_quant.X16_ROWS:
-            return
-        pointer = self.blocks.data_ptr()
-        if pointer not in done:
-            done[pointer] = cpu_quant.interleave_rows(self.kind, self.blocks, self.in_features)
-        self.kind, self.blocks = done[pointer]
+        """Hold each part's blocks interleaved 16 rows at a time where its kind has such a layout
+        (Q4_1, Q8_0), for the kernels that read them so (``cpu_quant.interleave_rows``); whole
+        groups of 16 rows only, and blocks another module interleaved already (``done``) are
+        taken from there, not made twice."""
+        for i, (kind, blocks) in enumerate(self.parts):
+            if kind.interleaved or kind.as_gguf or blocks.shape[0] % cpu_quant.X16_ROWS:
+                continue
+            pointer = blocks.data_ptr()
+            if pointer not in done:
+                done[pointer] = cpu_quant.interleave_rows(kind, blocks, self.in_features)
+            self.kinds[i], interleaved = done[pointer]
+            setattr(self, _part_name(i), interleaved)
 
     def describe(self) -> str:
-        """What the weight is held as (``Q4_1``), for ``weights.describe_weights``."""
-        return self.kind.name
+        """What the weight is held as (``Q4_1``; ``Q4_K+Q6_K`` for parts), for ``weights.describe_weights``."""
+        return "+".join(kind.name for kind in self.kinds)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors holding this layer's weights (blocks and bias)."""
-        return [self.blocks] if self.bias is None else [self.blocks, self.bias]
+        held = [blocks for _, blocks in self.parts]
+        return held if self.bias is None else [*held, self.bias]
 
     def extra_repr(self) -> str:
         activations = ", int8 activations" if self.int8_activations else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks{activations}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.describe()} blocks{activations}"
+        )
+
+
+def _part_name(index: int) -> str:
+    """The buffer holding part ``index`` of a ``QuantLinear``'s weight."""
+    return "blocks" if index == 0 else f"blocks_{index}"
 
 
 class QuantEmbedding(nn.Module):

@@ -36,10 +36,20 @@
 #include "bf16.h"
 #include "kernels.h"
 
+/* A projection's weight: its output rows as up to PD_WEIGHT_PARTS ranges of GGUF block rows,
+ * each of its own kind (as pd_quant_matmul takes them): a q/k/v whose v llama.cpp kept in Q6_K
+ * and its q and k in Q4_K (the "_M" mixes) is two parts, q and k in one. */
+#define PD_WEIGHT_PARTS 3
+typedef struct {
+    const uint8_t *blocks[PD_WEIGHT_PARTS];
+    int64_t rows[PD_WEIGHT_PARTS];
+    int32_t kinds[PD_WEIGHT_PARTS];
+    int32_t parts; /* 1 .. PD_WEIGHT_PARTS */
+} PdWeight;
+
 /* One layer's constants, filled once per layer by pdserve/kernels/cpu/decoder_layer.py (whose
- * ctypes Structure mirrors this one field for field). Weights are GGUF block rows (kind: 0
- * Q4_1, 1 Q8_0, as pd_quant_matmul takes them); norms and the bias are in the activations'
- * dtype. int8_activations: the projections quantize their x to int8 (pd_quant_matmul_a8,
+ * ctypes Structure mirrors this one field for field). Weights are GGUF block rows (PdWeight);
+ * norms and the bias are in the activations' dtype. int8_activations: the projections quantize their x to int8 (pd_quant_matmul_a8,
  * --quantization gguf-a8) instead of keeping it in the dtype (pd_quant_matmul). sliding_window:
  * the layer's attention window W (a token at p sees p - W < k <= p), 0 for full attention; it
  * may differ from layer to layer of a run (Gemma 3's local and global layers). */
@@ -48,17 +58,34 @@ struct PdDecoderLayer {
     float eps, scale;
     const void *input_norm, *post_norm; /* [hidden] */
     const void *qkv_bias;               /* [(heads + 2 * kv_heads) * head_dim] or NULL */
-    const uint8_t *qkv, *o, *gate_up, *down;
-    int32_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    PdWeight qkv, o, gate_up, down;
     int32_t int8_activations;
 };
 
 /* pd_quant_matmul, or pd_quant_matmul_a8 when the layer's activations go to int8. Returns 0, or
  * what the kernel returned otherwise (-1: its buffers could not be allocated). */
-static int project(const PdDecoderLayer *layer, int kind, const void *x, int is_bf16, int64_t rows, int64_t K,
-                   const uint8_t *w, int64_t N, void *y, int threads) {
+static int matmul(const PdDecoderLayer *layer, int kind, const void *x, int is_bf16, int64_t rows, int64_t K,
+                  const uint8_t *w, int64_t N, void *y, int threads) {
     if (layer->int8_activations) return pd_quant_matmul_a8(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
     return pd_quant_matmul(kind, x, is_bf16, rows, K, w, N, y, is_bf16, threads);
+}
+
+/* y [rows, N] = x [rows, K] @ W^T, W's parts one matmul each: a single part straight into y, more
+ * each into `part_out` ([rows, its rows]) and then into its columns of y. */
+static int project(const PdDecoderLayer *layer, const PdWeight *weight, const void *x, int is_bf16, int64_t rows,
+                   int64_t K, int64_t N, void *y, char *part_out, int threads) {
+    if (weight->parts == 1) return matmul(layer, weight->kinds[0], x, is_bf16, rows, K, weight->blocks[0], N, y, threads);
+    const size_t es = is_bf16 ? 2 : 4;
+    int status = 0;
+    int64_t first = 0;
+    for (int p = 0; p < weight->parts && status == 0; p++) {
+        const int64_t width = weight->rows[p];
+        status = matmul(layer, weight->kinds[p], x, is_bf16, rows, K, weight->blocks[p], width, part_out, threads);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy((char *)y + (r * N + first) * es, part_out + r * width * es, (size_t)width * es);
+        first += width;
+    }
+    return status;
 }
 
 /* a[i] = a[i] + b[i], rounded to the dtype (torch's elementwise add). */
@@ -67,8 +94,8 @@ static void add_into(void *a, const void *b, int is_bf16, int64_t count) {
 }
 
 /* The intermediates of one layer's pass over `rows` tokens, allocated once for a run of layers:
- * normed, qkv, q, attention out, o, gate_up, act (in the activations' dtype), and the
- * attention's scores. */
+ * normed, qkv, q, attention out, o, gate_up, act, a part's output (in the activations' dtype),
+ * and the attention's scores. */
 typedef struct {
     char *buffer;
     float *scores;
@@ -78,7 +105,8 @@ static int scratch_alloc(LayerScratch *scratch, const PdDecoderLayer *layer, int
                          int attn_threads, int64_t max_len) {
     const int64_t H = layer->hidden, D = layer->head_dim, I = layer->intermediate;
     const int64_t qkv_width = (layer->heads + 2 * layer->kv_heads) * D, q_width = layer->heads * D;
-    const int64_t elems = rows * (H + qkv_width + 2 * q_width + H + 2 * I + I);
+    const int64_t widest = qkv_width > 2 * I ? qkv_width : 2 * I; /* of a multi-part weight */
+    const int64_t elems = rows * (H + qkv_width + 2 * q_width + H + 2 * I + I + (widest > H ? widest : H));
     scratch->buffer = (char *)malloc((size_t)elems * es);
     scratch->scores = (float *)malloc((size_t)(attn_threads * (max_len + 2 * D) * layer->heads) * sizeof(float));
     if (scratch->buffer == NULL || scratch->scores == NULL) {
@@ -102,11 +130,11 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
     const size_t es = is_bf16 ? 2 : 4;
     char *normed = scratch->buffer, *qkv = normed + rows * H * es, *q = qkv + rows * qkv_width * es;
     char *attn = q + rows * q_width * es, *o = attn + rows * q_width * es, *gate_up = o + rows * H * es;
-    char *act = gate_up + rows * 2 * I * es;
+    char *act = gate_up + rows * 2 * I * es, *part_out = act + rows * I * es;
 
     int status = 0;
     pd_rms_norm(hidden_in, NULL, NULL, layer->input_norm, normed, rows, H, layer->eps, is_bf16);
-    status |= project(layer, layer->qkv_kind, normed, is_bf16, rows, H, layer->qkv, qkv_width, qkv, threads);
+    status |= project(layer, &layer->qkv, normed, is_bf16, rows, H, qkv_width, qkv, part_out, threads);
     if (status) return status; /* before the cache is written */
     if (layer->qkv_bias != NULL)
         for (int64_t r = 0; r < rows; r++)
@@ -120,12 +148,12 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
     pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
                               block_tables, max_blocks, seq_lens, layer->sliding_window, layer->scale, attn,
                               scratch->scores, max_len, attn_threads);
-    status |= project(layer, layer->o_kind, attn, is_bf16, rows, q_width, layer->o, H, o, threads);
+    status |= project(layer, &layer->o, attn, is_bf16, rows, q_width, H, o, part_out, threads);
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
     pd_rms_norm(hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, layer->eps, is_bf16);
-    status |= project(layer, layer->gate_up_kind, normed, is_bf16, rows, H, layer->gate_up, 2 * I, gate_up, threads);
+    status |= project(layer, &layer->gate_up, normed, is_bf16, rows, H, 2 * I, gate_up, part_out, threads);
     pd_silu_mul(gate_up, act, rows, I, is_bf16);
-    status |= project(layer, layer->down_kind, act, is_bf16, rows, I, layer->down, H, o, threads);
+    status |= project(layer, &layer->down, act, is_bf16, rows, I, H, o, part_out, threads);
     add_into(hidden_out, o, is_bf16, rows * H);
     return status;
 }
