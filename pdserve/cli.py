@@ -109,6 +109,7 @@ BENCHMARKS = {
     "throughput": "pdserve.bench.throughput.driver",
     "peers": "pdserve.bench.peers.driver",
     "step": "pdserve.bench.step",
+    "models": "pdserve.bench.models.driver",
     "routing": "pdserve.bench.routing",
 }
 
