@@ -4,8 +4,9 @@ Q4_K, Q5_K and Q6_K, against ``gguf``'s own dequantization of the same bytes.
 The bytes are random (every bit pattern of the quants, the scales and the high bits) with sane
 fp16 scales, and, for the kinds ``gguf`` quantizes, its quantizer's output too. The weights must
 be ``gguf``'s bit for bit (fp32) and its values rounded once (bf16); the matmuls must equal an fp64
-matmul of those weights to fp32 rounding (fp32 x), the same of the bf16-rounded x (bf16 x), and
-``quant_matmul_a8_ref`` (int8 x); and a row's result must not depend on the rows batched with it.
+matmul of those weights to fp32 rounding (fp32 x), the same of the bf16 x up to the output's bf16
+rounding (bf16 x), and ``quant_matmul_a8_ref`` (int8 x); and a row's result must not depend on
+the rows batched with it.
 """
 
 from __future__ import annotations
@@ -119,11 +120,29 @@ def test_bf16_matmul_equals_the_weights_matmul(kind, weight, rows):
     x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows)).bfloat16()
     out = cpu_quant.quant_matmul(x, kind, blocks, IN_FEATURES)
     assert out.dtype == torch.bfloat16
-    # a route may round the weights to bf16 (as a dense bf16 copy holds them): within that and
-    # the output's own bf16 rounding
+    # every route multiplies the file's exact weights (bf16 x widened, or q exact in bf16 with
+    # d and m in fp32): within fp32 summation and the output's own bf16 rounding (half an ulp)
     expected = x.double() @ reference.double().T
     scale = float(expected.abs().max())
-    assert float((out.double() - expected).abs().max()) <= 8e-3 * scale
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_are_exact_and_do_not_depend_on_their_batch(kind, dtype):
+    """Rows of several 2048-input chunks (the bf16 route takes one row of x along whole rows and
+    larger batches chunk by chunk), the last chunk partial, and for blocks of 32 a last 1-3
+    blocks short of the four a step decodes."""
+    in_features = 4864 if kind.block_weights == 256 else 4640
+    blocks = random_blocks(kind, 24, in_features, seed=7)
+    reference = gguf_weights(kind, blocks, in_features).double()
+    x = torch.randn(19, in_features, generator=torch.Generator().manual_seed(7)).to(dtype)
+    batched = cpu_quant.quant_matmul(x, kind, blocks, in_features)
+    expected = x.double() @ reference.T
+    scale = float(expected.abs().max())
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(batched.double(), expected, rtol=rtol, atol=1e-5 * scale)
+    for size in (1, 2, 9):
+        assert torch.equal(cpu_quant.quant_matmul(x[:size], kind, blocks, in_features), batched[:size])
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16])

@@ -30,10 +30,15 @@
 #define pd_quant_a8_gemm_generic pd_quant_a8_gemm
 #endif
 
-/* quants_k.c, quants_k_a8.c: every route in plain C for now (no arch/x86/ twins yet) */
+/* quants_k.c: the fp32 route and the dequantization (AVX-512), the bf16 route (AVX512-BF16;
+ * elsewhere bf16 x is widened and takes the fp32 route); quants_k_a8.c: in plain C for now */
+#if !PD_HAS_AVX512
 #define pd_quant_k_gemm_f32_generic pd_quant_k_gemm_f32
 #define pd_quant_k_dequant_generic pd_quant_k_dequant
+#endif
+#if !PD_HAS_AVX512_BF16
 #define pd_quant_k_gemm_bf16_generic pd_quant_k_gemm_bf16
+#endif
 #define pd_quant_k_a8_gemm_generic pd_quant_k_a8_gemm
 
 /* repack_a8.c (AVX512-VNNI), repack_bf16.c (AVX512-BF16) */
