@@ -10,7 +10,7 @@ A benchmark that spans files is a package with a ``driver`` module (its ``main``
 
 One-file benchmarks: ``engine`` (the colocated engine against transformers), ``step`` (a decode
 step against its weights' floor), ``kernels`` (the Triton kernels against a copy of the same
-bytes), ``transfer`` (KV pulls per transport against memcpy), ``handover`` (what the prefill ->
+bytes; ``--cpu``: the CPU block matmuls against a read of theirs), ``transfer`` (KV pulls per transport against memcpy), ``handover`` (what the prefill ->
 decode handover costs) and ``routing`` (the routing policies on the engines' prefix caches).
 
 ``common/`` is what they share: one set of statistics (``common.stats``), the report helpers,

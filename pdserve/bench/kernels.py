@@ -1,23 +1,32 @@
-"""``pdserve bench kernels``: how close each Triton kernel gets to the GPU's copy bandwidth.
+"""``pdserve bench kernels``: how close each kernel gets to the bandwidth of the memory it reads.
 
 Every kernel here is memory-bound at serving shapes (decode attention reads the whole context
-once per step and does ~1 FLOP per byte), so the honest yardstick is a device-to-device copy
-moving the same number of bytes, measured in the same run: a kernel at 80% of copy bandwidth is
-near its floor; one at 20% leaves time on the table. The shapes are SmolLM2-135M's (30 layers,
-9 query heads over 3 KV heads of dim 64, 16-token blocks) at a realistic batch.
+once per step and does ~1 FLOP per byte; a decode matmul at a few rows reads each weight once),
+so the honest yardstick is moving the same bytes, measured in the same run: a kernel at 80% of
+that bandwidth is near its floor; one at 20% leaves time on the table.
 
-Before measuring, it prints the bytes each kernel must move (its floor; the kernel may move
-more, e.g. prefill re-reads K/V once per query tile) and the time that floor implies at a given
-bandwidth. Without a GPU only that analysis is printed.
+The Triton kernels (the default) against a device-to-device copy, at SmolLM2-135M's shapes (30
+layers, 9 query heads over 3 KV heads of dim 64, 16-token blocks) at a realistic batch. Before
+measuring, it prints the bytes each kernel must move (its floor; the kernel may move more, e.g.
+prefill re-reads K/V once per query tile) and the time that floor implies at a given bandwidth.
+Without a GPU only that analysis is printed.
+
+``--cpu``: the CPU block matmuls (``pdserve.kernels.cpu.quant``, bf16 x) at a 1B model's decode
+shapes against a read of the same bytes (an int64 ``sum()`` over them). Each matrix is streamed
+from DRAM: the pass cycles over distinct copies of it totalling ``--stream-mb``, far more than
+the last-level cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from pdserve.bench.common.report import default_path, print_table, save_json
@@ -294,8 +303,128 @@ def _measure(
     return rows
 
 
+# A 1B model's decode matmuls (Llama-3.2-1B: hidden 2048, MLP 8192) as {name: (K, N)}: x [M, K]
+# against N rows of K weights.
+CPU_SHAPES = {"gate_up": (2048, 8192), "down": (8192, 2048), "attn": (2048, 2048)}
+# The kinds held as GGUF stores them, then the Q4_1 and Q8_0 routes (row-major and x16) beside them.
+CPU_KINDS = ("Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q4_1_X16", "Q8_0", "Q8_0_X16")
+# {kind: offsets of its fp16 scales in a block}: random bytes there could be inf or nan
+_SCALE_OFFSETS = {"Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                  "Q8_0": (0,)}  # fmt: skip
+
+
+def random_block_rows(kind_name: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """``rows`` rows of random ``kind`` blocks, as the kernels hold them, with small finite scales."""
+    from pdserve.kernels.cpu import quant
+
+    kind = quant.BlockKind[kind_name]
+    plain, rng = kind.plain, np.random.default_rng(seed)
+    if plain is quant.BlockKind.Q4_1:  # [nibbles][d][m] per row
+        nibbles = rng.integers(0, 256, (rows, in_features // 2), dtype=np.uint8)
+        scales = rng.uniform(-0.01, 0.01, (rows, in_features // 16)).astype(np.float16).view(np.uint8)
+        blocks = torch.from_numpy(np.concatenate([nibbles, scales], axis=1))
+    else:
+        count = rows * in_features // plain.block_weights
+        raw = rng.integers(0, 256, (count, plain.block_bytes), dtype=np.uint8)
+        for offset in _SCALE_OFFSETS[plain.name]:
+            values = rng.uniform(-0.01, 0.01, count).astype(np.float16)
+            raw[:, offset : offset + 2] = values.view(np.uint8).reshape(count, 2)
+        blocks = torch.from_numpy(raw.reshape(rows, -1))
+    return quant.interleave_rows(plain, blocks, in_features)[1] if kind.interleaved else blocks
+
+
+def _pass_s(kind: int, x: torch.Tensor, pointers: list[int], out_features: int, threads: int) -> float:
+    """Seconds a matrix of one pass of pd_quant_matmul (bf16 x and y, through ctypes) over the
+    copies at ``pointers``."""
+    from pdserve.kernels.cpu import quant
+
+    lib, y = quant.library(), torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    for pointer in pointers:
+        lib.pd_quant_matmul(kind, x.data_ptr(), 1, x.shape[0], x.shape[1], pointer, out_features, y.data_ptr(), 1,
+                            threads)  # fmt: skip
+    return (time.perf_counter() - start) / len(pointers)
+
+
+def _read_s(words: torch.Tensor, copies: int) -> float:
+    """Seconds a matrix of an int64 sum() over all the copies: a read of every byte once."""
+    start = time.perf_counter()
+    words.sum()
+    return (time.perf_counter() - start) / copies
+
+
+def _measure_cpu_blocks(args: argparse.Namespace) -> list[dict]:
+    """Per (shape, kind, batch): a pass over all copies of the matrix and a read of the same
+    bytes, alternately, ``args.repeats`` times; the minimum (and the kernel's median) of each."""
+    from pdserve.kernels.cpu import quant
+
+    torch.set_num_threads(args.threads)
+    quant.library()  # built before anything is timed
+    rows = []
+    for shape in args.shapes:
+        in_features, out_features = CPU_SHAPES[shape]
+        for kind_name in args.kinds:
+            one = random_block_rows(kind_name, out_features, in_features)
+            copies = max(2, math.ceil(args.stream_mb * 2**20 / one.numel()))
+            weights = one.unsqueeze(0).expand(copies, *one.shape).contiguous()
+            words = weights.view(-1).view(torch.int64)
+            pointers = [weights[i].data_ptr() for i in range(copies)]
+            kind = int(quant.BlockKind[kind_name])
+            for batch in args.batches:
+                x = torch.randn(batch, in_features, generator=torch.Generator().manual_seed(batch)).bfloat16()
+                _pass_s(kind, x, pointers, out_features, args.threads)
+                kernel_s, read_s = [], []
+                for _ in range(args.repeats):
+                    read_s.append(_read_s(words, copies))
+                    kernel_s.append(_pass_s(kind, x, pointers, out_features, args.threads))
+                rows.append(
+                    {
+                        "kind": kind_name,
+                        "matrix": shape,
+                        "K x N": f"{in_features}x{out_features}",
+                        "batch": batch,
+                        "weight MB": one.numel() / 1e6,
+                        "read us": min(read_s) * 1e6,
+                        "kernel us": min(kernel_s) * 1e6,
+                        "kernel us median": statistics.median(kernel_s) * 1e6,
+                        "GB/s": one.numel() / min(kernel_s) / 1e9,
+                        "kernel / read": min(kernel_s) / min(read_s),
+                    }
+                )
+    return rows
+
+
+def _cpu_main(args: argparse.Namespace) -> int:
+    from pdserve.bench.common.machine import git_commit, machine_info, machine_line
+
+    machine = machine_info()
+    rows = _measure_cpu_blocks(args)
+    print_table(
+        f"CPU block matmuls, bf16 x, {args.threads} thread(s), streamed from DRAM ({args.stream_mb} MB of copies), "
+        f"against an int64 sum() of the same bytes; min of {args.repeats} [{machine_line(machine)}]",
+        rows,
+        list(rows[0]),
+    )
+    save_json(
+        args.out or default_path("kernels_cpu", "json"),
+        {"machine": machine, "commit": git_commit(), "args": vars(args), "measured": rows},
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench kernels", description=__doc__)
+    parser.add_argument(
+        "--cpu", action="store_true", help="the CPU block matmuls instead of the Triton kernels"
+    )
+    parser.add_argument("--kinds", nargs="+", default=list(CPU_KINDS), choices=CPU_KINDS, help="(--cpu)")
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(CPU_SHAPES), choices=list(CPU_SHAPES), help="(--cpu)"
+    )
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="(--cpu) rows of x")
+    parser.add_argument("--threads", type=int, default=1, help="(--cpu)")
+    parser.add_argument("--repeats", type=int, default=7, help="(--cpu) passes over the copies, each timed")
+    parser.add_argument("--stream-mb", type=int, default=256, help="(--cpu) the copies of each matrix, in MB")
     parser.add_argument("--batch", type=int, default=32, help="decode sequences per step")
     parser.add_argument("--context", type=int, default=1024, help="context length of every sequence")
     parser.add_argument("--prefill-seqs", type=int, default=4, help="prefill chunks per step")
@@ -305,8 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tflops", type=float, default=100.0, help="for the prefill compute floor")
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=200)
-    parser.add_argument("--out", default=None, help="JSON path (default: bench-results/kernels.json)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: bench-results/kernels.json, or kernels_cpu.json)"
+    )
     args = parser.parse_args(argv)
+    if args.cpu:
+        return _cpu_main(args)
     if args.chunk > args.context:
         parser.error("--chunk must be <= --context")
 

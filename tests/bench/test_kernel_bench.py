@@ -76,3 +76,34 @@ def test_kernel_bench_measure_path_runs_in_triton_interpreter() -> None:
     for row in rows:
         assert row["rel err vs ref"] <= 1e-5, row
         assert row["kernel us"] > 0 and row["copy us"] > 0
+
+
+def test_cpu_block_rows_are_valid_blocks_with_finite_weights() -> None:
+    from pdserve.kernels.cpu import quant
+
+    for name in bench.CPU_KINDS:
+        kind = quant.BlockKind[name]
+        blocks = bench.random_block_rows(name, 16, 512)
+        quant.check_blocks(kind, blocks, 512)
+        assert torch.isfinite(quant.dequantize_ref(kind, blocks, 512)).all(), name
+
+
+def test_kernel_bench_cpu_times_each_kind_against_a_read_of_its_bytes(tmp_path, capsys) -> None:
+    from pdserve.kernels.cpu import build as cpu_build
+
+    if cpu_build.compiler() is None:
+        pytest.skip("no C compiler to build the kernels")
+    out = tmp_path / "kernels_cpu.json"
+    argv = ["--cpu", "--kinds", "Q4_K", "Q4_1_X16", "--shapes", "attn", "--batches", "1", "2"]
+    assert bench.main([*argv, "--repeats", "1", "--stream-mb", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["measured"]
+    assert [(r["kind"], r["batch"]) for r in rows] == [
+        ("Q4_K", 1),
+        ("Q4_K", 2),
+        ("Q4_1_X16", 1),
+        ("Q4_1_X16", 2),
+    ]
+    for row in rows:
+        assert row["K x N"] == "2048x2048" and row["kernel us"] > 0 and row["read us"] > 0
+        assert row["kernel / read"] == pytest.approx(row["kernel us"] / row["read us"])
+    assert "CPU block matmuls" in capsys.readouterr().out
