@@ -620,7 +620,7 @@ void pd_quant_k_gemm_bf16(int kind, const uint16_t *x, int64_t M, int64_t K, con
     if (threads < 1) threads = 1;
     /* 64-byte aligned: each vector of x is one cache line (a split load costs two) */
     uint16_t *xr = (uint16_t *)aligned_alloc(64, (size_t)(M * x_stride) * sizeof(uint16_t));
-    float *xsum = has_minima(kind) ? (float *)calloc((size_t)(M * xsum_stride), sizeof(float)) : NULL;
+    float *xsum = has_minima(kind) ? (float *)aligned_alloc(64, (size_t)(M * xsum_stride) * sizeof(float)) : NULL;
     __m512 *accs = (__m512 *)aligned_alloc(64, (size_t)(threads * block * K_ROWS_PER_TILE) * sizeof(__m512));
     if (xr == NULL || accs == NULL || (has_minima(kind) && xsum == NULL)) {
         free(xr);
@@ -629,6 +629,7 @@ void pd_quant_k_gemm_bf16(int kind, const uint16_t *x, int64_t M, int64_t K, con
         pd_quant_k_gemm_bf16_generic(kind, x, M, K, w, N, y, y_is_bf16, threads);
         return;
     }
+    if (xsum) memset(xsum, 0, (size_t)(M * xsum_stride) * sizeof(float));
     prepare_x(kind, x, M, K, xr, x_stride, xsum);
     KConsts c;
     k_consts(kind, &c);
