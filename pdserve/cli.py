@@ -110,6 +110,7 @@ BENCHMARKS = {
     "peers": "pdserve.bench.peers.driver",
     "step": "pdserve.bench.step",
     "models": "pdserve.bench.models.driver",
+    "perplexity": "pdserve.bench.perplexity.driver",
     "routing": "pdserve.bench.routing",
 }
 

@@ -21,7 +21,11 @@ def default_path(name: str, ext: str) -> str:
     return os.path.join(RESULTS_DIR, f"{name}.{ext}")
 
 
-def print_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+def print_table(
+    title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str], width: int | None = None
+) -> None:
+    """``rows`` as a table of ``columns``; ``width``: the console's, when a wide table should not
+    be squeezed into the 80 columns rich assumes when stdout is not a terminal."""
     from rich.console import Console
     from rich.table import Table
 
@@ -30,7 +34,7 @@ def print_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[st
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*(_fmt(row.get(column)) for column in columns))
-    Console().print(table)
+    Console(width=width).print(table)
 
 
 def _fmt(value: Any) -> str:

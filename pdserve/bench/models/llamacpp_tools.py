@@ -82,15 +82,22 @@ class Quantizer:
         return [self.binary, *flags, source, target, kind, str(threads)]
 
 
-def ensure_quantizer(peer_cache: str, say: Callable[[str], None], rebuild: bool = False) -> Quantizer:
-    """``llama-quantize`` next to the peers' ``llama-server``, built first if it is not."""
+def ensure_tool(name: str, peer_cache: str, say: Callable[[str], None], rebuild: bool = False) -> str:
+    """The path of llama.cpp's tool ``name`` (``llama-quantize``, ``llama-perplexity`` ...) next to
+    the peers' ``llama-server``, that build made first if it is not."""
     venv = llamacpp.ensure_llamacpp(peer_cache, say, rebuild=rebuild)
     server = venv.binary
     assert server is not None  # ensure_llamacpp raises rather than return a venv without it
-    binary = os.path.join(os.path.dirname(server), "llama-quantize")
+    binary = os.path.join(os.path.dirname(server), name)
     if not os.access(binary, os.X_OK):
         raise RuntimeError(f"{binary} is missing from the llama.cpp build in {venv.path}; --rebuild-llamacpp")
-    return Quantizer(binary, llamacpp.version(server))
+    return binary
+
+
+def ensure_quantizer(peer_cache: str, say: Callable[[str], None], rebuild: bool = False) -> Quantizer:
+    """``llama-quantize`` next to the peers' ``llama-server``, built first if it is not."""
+    binary = ensure_tool("llama-quantize", peer_cache, say, rebuild=rebuild)
+    return Quantizer(binary, llamacpp.version(os.path.join(os.path.dirname(binary), "llama-server")))
 
 
 def ensure_converter(cache: str, say: Callable[[str], None]) -> Converter:
