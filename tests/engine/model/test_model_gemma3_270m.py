@@ -123,7 +123,9 @@ def test_default_quantization_tracks_fp32(path, fp32_llm, prompts, text_ids):
     assert all(kind in weights for kind in ("Q8_0", "Q5_0", "Q4_K", "Q6_K")), weights
     file_bytes = sum(t.n_bytes for t in open_gguf(path).tensors)
     held = default.engine.loaded.weight_bytes
-    print(f"gemma3-270m: weights {held / 1e6:.1f} MB, file tensors {file_bytes / 1e6:.1f} MB ({held / file_bytes:.3f}x)")
+    print(
+        f"gemma3-270m: weights {held / 1e6:.1f} MB, file tensors {file_bytes / 1e6:.1f} MB ({held / file_bytes:.3f}x)"
+    )
     assert held <= 1.05 * file_bytes
     reference = [c.token_ids for c in fp32_llm.generate(prompts, _greedy())]
     candidate = [c.token_ids for c in default.generate(prompts, _greedy())]
