@@ -174,3 +174,29 @@ def test_rows_of_a_k_quant_must_be_whole_super_blocks():
         cpu_quant.check_blocks(BlockKind.Q4_K, blocks, 224)
     with pytest.raises(ValueError, match="do not hold"):
         cpu_quant.check_blocks(BlockKind.Q6_K, blocks, 256)
+
+
+@pytest.mark.parametrize(
+    ("kind", "in_features"),
+    [
+        (BlockKind.Q4_0, 288),
+        (BlockKind.Q5_0, 224),
+        (BlockKind.Q5_1, 800),
+        (BlockKind.Q4_K, 2304),
+        (BlockKind.Q6_K, 4096),
+    ],
+    ids=lambda value: getattr(value, "name", str(value)),
+)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int8_activation_matmul_of_rows_of_any_length(kind, in_features, rows):
+    """Rows whose blocks do not fill the vector kernels' units of 256 weights (the small kinds),
+    and longer rows, at batch sizes that take every tile: each row as it would be alone."""
+    blocks = random_blocks(kind, 13, in_features, seed=in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    out = cpu_quant.quant_matmul(x, kind, blocks, in_features, int8_activations=True)
+    expected = cpu_quant.quant_matmul_a8_ref(x, kind, blocks, in_features)
+    exact = x.double() @ gguf_weights(kind, blocks, in_features).double().T
+    assert float((out - expected).abs().max()) <= 1e-5 * float(exact.abs().max())
+    for row in (0, rows - 1):
+        alone = cpu_quant.quant_matmul(x[row : row + 1], kind, blocks, in_features, int8_activations=True)
+        assert torch.equal(alone, out[row : row + 1])
