@@ -32,7 +32,7 @@
 
 /* quants_k.c: the fp32 route and the dequantization (AVX-512), the bf16 route (AVX512-BF16;
  * elsewhere bf16 x is widened and takes the fp32 route); quants_k_a8.c: the int8
- * dots (AVX512-VNNI) */
+ * dots (AVX2, or AVX512-VNNI) */
 #if !PD_HAS_AVX512
 #define pd_quant_k_gemm_f32_generic pd_quant_k_gemm_f32
 #define pd_quant_k_dequant_generic pd_quant_k_dequant
@@ -40,7 +40,7 @@
 #if !PD_HAS_AVX512_BF16
 #define pd_quant_k_gemm_bf16_generic pd_quant_k_gemm_bf16
 #endif
-#if !PD_HAS_AVX512_VNNI
+#if !PD_HAS_AVX2
 #define pd_quant_k_a8_gemm_generic pd_quant_k_a8_gemm
 #endif
 

@@ -1,9 +1,10 @@
 /*
  * The x86 twin of quants_k_a8.c: the kinds held as GGUF stores them (Q4_0, Q5_0, Q5_1, Q4_K,
  * Q5_K, Q6_K; quants_k.h) against x quantized to int8 per block of 32 (quants_a8.c), with
- * 512-bit vpdpbusd where the CPU has AVX512-VNNI (AMD Zen 4/5, Intel Ice Lake on).
- * pd_quant_k_a8_gemm is the native twin of quants_k_a8.c's pd_quant_k_a8_gemm_generic
- * (quants_k.h, arch_fallback.h); without VNNI this file compiles to nothing.
+ * 512-bit vpdpbusd where the CPU has AVX512-VNNI (AMD Zen 4/5, Intel Ice Lake on), and with
+ * 256-bit vpmaddubsw on CPUs with AVX2 and no VNNI (AMD Zen 3). pd_quant_k_a8_gemm is the native
+ * twin of quants_k_a8.c's pd_quant_k_a8_gemm_generic (quants_k.h, arch_fallback.h); without AVX2
+ * this file compiles to nothing.
  *
  * Why: the plain C loop decodes every sub-block to bytes and multiplies them one at a time, far
  * from the memory bound a decode step at one row of x lives under. Every kind's weights are
@@ -41,9 +42,16 @@
  * row, row of x) pair runs the same operations in the same order whatever its tile, so a row's
  * result does not depend on what it is batched with.
  *
+ * With AVX2 the same in 256 bits (unit8_*, rows8_*): units of 128 weights (a K-quant's half
+ * super-block, 4 small blocks), 8 lanes; vpmaddubsw's pairs summed in int16 (at most 4 * 2 * 31 *
+ * 127 for the 4- and 5-bit kinds; Q6_K's widened two by two) and vpmaddwd to int32; the fifth
+ * bits spread to bytes as llama.cpp's bytes_from_bits_32; tiles of up to 4 rows of x (16
+ * registers).
+ *
  * On one Zen 5 core, in cache, a unit costs 11-21 cycles at one row of x (Q4_K the least, Q5_0
  * and Q5_1 the most), against the 15-24 its bytes take to stream from memory; at 8 rows, 5.5-8.5
- * cycles a row of x. The header of pdserve/bench/quant_matmul.py says how it is measured.
+ * cycles a row of x; the plain C loop, 350-1500. pdserve/bench/quant_matmul.py measures them
+ * against a read of their bytes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,7 +63,7 @@
 #include "quants_k.h"
 #include <omp.h>
 
-#if PD_HAS_AVX512_VNNI
+#if PD_HAS_AVX2
 /* How a kind's unit is decoded: blocks of 32 (Q4_0, Q5_0, Q5_1), Q4_K / Q5_K, or Q6_K. */
 enum { FAMILY_SMALL = 0, FAMILY_K4 = 1, FAMILY_K6 = 2 };
 
@@ -102,12 +110,12 @@ static inline int64_t record_bytes(int kind, int lanes) {
  * [lanes][4] int8 (vector k, lane p: x of weights 4k .. 4k + 3 of lane p's group); for Q6_K, per
  * lane, int32 -32 times its group's sum of q (the lane's integer start); then per block of 32 of
  * the unit (lanes / 2 of them, in order) fp32 dx, its scale, and, but for Q6_K, per block fp32
- * dx * sum(q) (xs: the minima's part). Zeros past the row's end. `padded` holds a row of units *
- * 16 * lanes int8, `sums` its units * lanes int32 sums of 16.
+ * dx * sum(q) (xs: the minima's part). `units` records a row, zeros past its end. `padded` holds
+ * a row of units * 16 * lanes int8, `sums` its units * lanes int32 sums of 16.
  */
 static void unit_x(int kind, int lanes, const int8_t *q, const float *d, int64_t stride, int64_t M, int64_t K,
-                   uint8_t *records, int8_t *padded, int32_t *sums) {
-    const int64_t unit = 16 * lanes, units = (K + unit - 1) / unit;
+                   int64_t units, uint8_t *records, int8_t *padded, int32_t *sums) {
+    const int64_t unit = 16 * lanes;
     const uint8_t *group_of = group_of_lane(kind, lanes);
     const int blocks = lanes / 2, k6 = family_of(kind) == FAMILY_K6;
     int at[64]; /* where each 4-byte word of a record's q comes from in its unit */
@@ -148,6 +156,19 @@ static inline int64_t unit_bytes(int kind, int lanes) {
 }
 static inline int small_qs_at(int kind) { return kind == KIND_Q4_0 ? 2 : kind == KIND_Q5_0 ? 6 : 8; }
 static inline int small_qh_at(int kind) { return kind == KIND_Q5_0 ? 2 : 4; }
+
+/* Q4_K / Q5_K's 8 scales and 8 minima (get_scale_min_k4 for all eight, llama.cpp's arithmetic on
+ * three words), as bytes sc0-7, mn0-7, from the super-block's first 16 bytes (d, dmin, then the
+ * 12 bytes: words u0-u2 in its dwords 1-3). */
+static inline __m128i k4_scales_mins(__m128i head) {
+    const __m128i a = _mm_shuffle_epi32(head, _MM_SHUFFLE(3, 2, 3, 1)); /* u0, u2, u1, u2 */
+    const __m128i b = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 2, 1, 1)); /* u0, u0, u1, u1 */
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    /* bits 6-7 of u0 (u1) as bits 4-5 of the high scales (minima) */
+    const __m128i high = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low, high);
+}
 #endif
 
 #if PD_HAS_AVX512_VNNI
@@ -298,19 +319,6 @@ static inline __attribute__((always_inline)) Unit16 unit16_small(int kind, const
         out.scales = _mm512_mul_ps(out.scales, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(1.0f),
                                                                     _mm512_set1_ps(kind == KIND_Q4_0 ? -8.0f : -16.0f)));
     return out;
-}
-
-/* Q4_K / Q5_K's 8 scales and 8 minima (get_scale_min_k4 for all eight, llama.cpp's arithmetic on
- * three words), as bytes sc0-7, mn0-7, from the super-block's first 16 bytes (d, dmin, then the
- * 12 bytes: words u0-u2 in its dwords 1-3). */
-static inline __m128i k4_scales_mins(__m128i head) {
-    const __m128i a = _mm_shuffle_epi32(head, _MM_SHUFFLE(3, 2, 3, 1)); /* u0, u2, u1, u2 */
-    const __m128i b = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 2, 1, 1)); /* u0, u0, u1, u1 */
-    const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
-                                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    /* bits 6-7 of u0 (u1) as bits 4-5 of the high scales (minima) */
-    const __m128i high = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-    return _mm_or_si128(low, high);
 }
 
 /* A Q4_K / Q5_K super-block: d sc and -dmin mn per sub-block (quants_k.h), its 128 bytes of
@@ -571,7 +579,7 @@ int pd_quant_k_a8_gemm(int kind, const int8_t *q, const float *d, int64_t stride
     const int64_t x_bytes = M * units * record_bytes(kind, 16);
     uint8_t *records = (uint8_t *)malloc((size_t)(x_bytes + units * 256 + units * 16 * sizeof(int32_t)));
     if (records == NULL) return -1;
-    unit_x(kind, 16, q, d, stride, M, K, records, (int8_t *)(records + x_bytes),
+    unit_x(kind, 16, q, d, stride, M, K, units, records, (int8_t *)(records + x_bytes),
            (int32_t *)(records + x_bytes + units * 256));
     const Lanes16 lanes = lanes16(kind);
     const Small16 small = small16(family_of(kind) == FAMILY_SMALL ? kind : KIND_Q4_0);
@@ -586,6 +594,325 @@ int pd_quant_k_a8_gemm(int kind, const int8_t *q, const float *d, int64_t stride
             rows16(kind, &job, n0, n1, 0, 0);
         else
             for (int64_t m0 = 0; m0 < M; m0 += row_tile(M - m0)) rows16(kind, &job, n0, n1, m0, row_tile(M - m0));
+    }
+    free(records);
+    return 0;
+}
+#endif
+
+#if PD_HAS_AVX2 && !PD_HAS_AVX512_VNNI /* with VNNI, the kernels above take every kind */
+/* Rows a tile serves: weight rows at one row of x, rows of x otherwise (16 ymm registers). */
+#define K8_COLS 4
+#define K8_MAX_ROWS 4
+#define K8_BLOCK 16 /* weight rows a block of rows8_batch holds */
+#define K8_CHUNK 16 /* units (of 128 weights) of a chunk: 4 rows' records, 10-11 KB, stay in L1 */
+
+/* A unit of 128 weights decoded, as Unit16 in 256 bits: v[k] lane p holds weights 4k .. 4k + 3
+ * of group GROUP_OF_LANE8[family][p]; scales: Q6_K's d sc per lane, else the weight scale of each
+ * block (sub-block) of 32 in lanes 0-3 and its minimum in 4-7. */
+typedef struct {
+    __m256i v[4];
+    __m256 scales;
+} Unit8;
+
+/* The permutes every unit reuses: each lane's block of 32, and Q6_K's group of 16. */
+typedef struct {
+    __m256i block_of_lane, group_of_lane;
+} Lanes8;
+
+static inline Lanes8 lanes8(int kind) {
+    const uint8_t *group_of = GROUP_OF_LANE8[family_of(kind)];
+    int32_t block[8], group[8];
+    for (int p = 0; p < 8; p++) {
+        block[p] = group_of[p] / 2;
+        group[p] = group_of[p];
+    }
+    Lanes8 lanes = {_mm256_loadu_si256((const __m256i *)block), _mm256_loadu_si256((const __m256i *)group)};
+    return lanes;
+}
+
+/* transpose16 in 256 bits: lane 4j + i then holds vector i's 16 bytes of 128-bit lane j. */
+static inline __attribute__((always_inline)) void transpose8(__m256i *v) {
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2);
+    v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3);
+    v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* 16 in each byte of two blocks' nibbles whose fifth bit is set: byte t of 128-bit lane j reads
+ * bit t % 8 of byte `at` + t / 8 of the lane's qh (its block's, in dword 0), llama.cpp's
+ * bytes_from_bits_32 (an or with every other bit, then a compare with all ones). */
+static inline __attribute__((always_inline)) __m256i fifth_bits8(__m256i qh, int at) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        qh, _mm256_setr_epi8(at, at, at, at, at, at, at, at, at + 1, at + 1, at + 1, at + 1, at + 1, at + 1, at + 1, at + 1,
+                             at, at, at, at, at, at, at, at, at + 1, at + 1, at + 1, at + 1, at + 1, at + 1, at + 1, at + 1));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi8(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* 4 blocks of Q4_0 / Q5_0 / Q5_1 from b: two a vector, nibbles split, fifth bits added,
+ * transposed; their fp16 d (and m) from the dword at each block's start. */
+static inline __attribute__((always_inline)) Unit8 unit8_small(int kind, const uint8_t *b) {
+    const int bytes = k_block_bytes(kind), qs = small_qs_at(kind);
+    const __m256i low = _mm256_set1_epi8(15);
+    Unit8 out;
+    for (int pair = 0; pair < 2; pair++) {
+        const uint8_t *two = b + 2 * pair * bytes;
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(two + qs))),
+                                                    _mm_loadu_si128((const __m128i *)(two + bytes + qs)), 1);
+        __m256i first = _mm256_and_si256(raw, low), second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        if (kind != KIND_Q4_0) {
+            uint32_t qh[2];
+            for (int j = 0; j < 2; j++) memcpy(qh + j, two + j * bytes + small_qh_at(kind), 4);
+            const __m256i both = _mm256_set_m128i(_mm_cvtsi32_si128((int)qh[1]), _mm_cvtsi32_si128((int)qh[0]));
+            first = _mm256_or_si256(first, fifth_bits8(both, 0));   /* weights 0-15: qh bits 0-15 */
+            second = _mm256_or_si256(second, fifth_bits8(both, 2)); /* weights 16-31: bits 16-31 */
+        }
+        out.v[2 * pair] = first;
+        out.v[2 * pair + 1] = second;
+    }
+    transpose8(out.v);
+    uint32_t word[4]; /* d, and Q5_1's m (else two bytes past d) */
+    for (int j = 0; j < 4; j++) memcpy(word + j, b + j * bytes, 4);
+    const __m128i words = _mm_setr_epi32((int)word[0], (int)word[1], (int)word[2], (int)word[3]);
+    const __m128i order = kind == KIND_Q5_1 ? _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)
+                                            : _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
+    out.scales = _mm256_cvtph_ps(_mm_shuffle_epi8(words, order));
+    if (kind != KIND_Q5_1) { /* the minimum is -offset d */
+        const float offset = kind == KIND_Q4_0 ? -8.0f : -16.0f;
+        out.scales = _mm256_mul_ps(out.scales, _mm256_setr_ps(1, 1, 1, 1, offset, offset, offset, offset));
+    }
+    return out;
+}
+
+/* Half h of a Q4_K / Q5_K super-block (sub-blocks 4h .. 4h + 3): d sc and dmin mn (subtracted),
+ * qs[64h .. 64h + 63] split in four, Q5_K's fifth bits (bit s of qh[t]) shifted to 16. */
+static inline __attribute__((always_inline)) Unit8 unit8_k4(int kind, const uint8_t *sb, int h) {
+    const __m128i head = _mm_loadu_si128((const __m128i *)sb);
+    const __m128i pick = _mm_shuffle_epi8(k4_scales_mins(head), h ? _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0)
+                                                                  : _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m256 d_dmin = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(head)),
+                                                   _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    Unit8 unit;
+    unit.scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pick)), d_dmin);
+    const uint8_t *qs = sb + (kind == KIND_Q5_K ? 48 : 16) + 64 * h;
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int half = 0; half < 2; half++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * half));
+        unit.v[2 * half] = _mm256_and_si256(raw, low);
+        unit.v[2 * half + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    if (kind == KIND_Q5_K) { /* vector i is sub-block 4h + i; qh[0..15], qh[16..31] its lanes' bytes */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16)), sixteen = _mm256_set1_epi8(16);
+        for (int i = 0; i < 4; i++) {
+            const int s = 4 * h + i;
+            const __m256i bit = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+            unit.v[i] = _mm256_or_si256(unit.v[i], _mm256_and_si256(bit, sixteen));
+        }
+    }
+    transpose8(unit.v);
+    return unit;
+}
+
+/* Half h of a Q6_K super-block: weights 0-31 and 32-63 from ql's 64 bytes' low nibbles, 64-127
+ * from their high ones, qh's bit pairs 0-1, 2-3, 4-5, 6-7 shifted to bits 4-5. */
+static inline __attribute__((always_inline)) Unit8 unit8_k6(const uint8_t *sb, int h, const Lanes8 *lanes) {
+    const __m256i low = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(sb + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+    Unit8 unit;
+    unit.v[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45));
+    unit.v[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45));
+    unit.v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, bits45));
+    unit.v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45));
+    transpose8(unit.v);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 192 + 8 * h))));
+    unit.scales = _mm256_mul_ps(_mm256_permutevar8x32_ps(scales, lanes->group_of_lane),
+                                _mm256_set1_ps(fp16_to_fp32(k_u16(sb + 208))));
+    return unit;
+}
+
+/* Unit h (0, 1) of the 256 weights at `at` (a super-block, or 8 small blocks). */
+static inline __attribute__((always_inline)) Unit8 unit8(int kind, const uint8_t *at, int h, const Lanes8 *lanes) {
+    if (family_of(kind) == FAMILY_SMALL) return unit8_small(kind, at + 4 * h * k_block_bytes(kind));
+    if (family_of(kind) == FAMILY_K4) return unit8_k4(kind, at, h);
+    return unit8_k6(at, h, lanes);
+}
+
+/* One unit against one row of x (its record), into acc, as unit16_row: vpmaddubsw's pairs
+ * summed in int16 (at most 4 * 2 * 31 * 127 for the 4- and 5-bit kinds; Q6_K's two and two
+ * widened apart), vpmaddwd to int32 lanes, then the scales. */
+static inline __attribute__((always_inline)) __m256 unit8_row(int kind, const Unit8 *unit, const Lanes8 *lanes,
+                                                             const uint8_t *record, __m256 acc) {
+    __m256i pairs[4];
+    for (int k = 0; k < 4; k++) pairs[k] = _mm256_maddubs_epi16(unit->v[k], _mm256_loadu_si256((const __m256i *)(record + 32 * k)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (kind == KIND_Q6_K) {
+        __m256i dot = _mm256_loadu_si256((const __m256i *)(record + 128)); /* -32 times the group's sum */
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(pairs[0], pairs[1]), ones));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_add_epi16(pairs[2], pairs[3]), ones));
+        const __m256 dx = _mm256_castps128_ps256(_mm_loadu_ps((const float *)(record + 160)));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_mul_ps(unit->scales, _mm256_permutevar8x32_ps(dx, lanes->block_of_lane)), acc);
+    }
+    const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
+    const __m256 products = _mm256_mul_ps(unit->scales, _mm256_loadu_ps((const float *)(record + 128))); /* d dx, m xs */
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)),
+                          _mm256_permutevar8x32_ps(products, lanes->block_of_lane), acc);
+    const __m256 minima = _mm256_blend_ps(_mm256_setzero_ps(), products, 0xF0);
+    return family_of(kind) == FAMILY_K4 ? _mm256_sub_ps(acc, minima) : _mm256_add_ps(acc, minima);
+}
+
+/* What every tile reads and writes (as Job): weights, x's records (M rows a unit, 2 units a
+ * step of 256 weights), the output. */
+typedef struct {
+    const uint8_t *w, *x;
+    int64_t row_bytes, steps, K, M, N;
+    void *y;
+    int y_is_bf16;
+    const Lanes8 *lanes;
+} Job8;
+
+/* Where step s of weight row n is: in the row, or its partial last step zero-padded in `last`
+ * (a small kind's K % 256 weights: made here when s is that step). */
+static inline const uint8_t *step_at(int kind, const Job8 *job, int64_t n, int64_t s, uint8_t *last) {
+    const uint8_t *at = job->w + n * job->row_bytes + s * unit_bytes(kind, 16);
+    if (family_of(kind) != FAMILY_SMALL || job->K % 256 == 0 || s != job->steps - 1) return at;
+    memset(last, 0, 192);
+    memcpy(last, at, (size_t)(job->K % 256 / QK * k_block_bytes(kind)));
+    return last;
+}
+
+/* One row of x: weight rows [n0, n1) in tiles of K8_COLS (the last, partial tile a row at a
+ * time), the next tile prefetched at the same place; each row one chain of unit8_row in unit
+ * order, then one hsum_avx2, as in rows8_batch. */
+static inline __attribute__((always_inline)) void rows8_single(int kind, const Job8 *job, int64_t n0, int64_t n1) {
+    uint8_t last[K8_COLS][192];
+    const int64_t step = unit_bytes(kind, 16), lines = (step + 63) / 64;
+    for (int64_t n = n0; n < n1;) {
+        const int cols = n + K8_COLS <= n1 ? K8_COLS : 1;
+        __m256 acc[K8_COLS];
+        for (int c = 0; c < K8_COLS; c++) acc[c] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < job->steps; s++) {
+            const uint8_t *at[K8_COLS];
+            for (int c = 0; c < cols; c++) {
+                at[c] = step_at(kind, job, n + c, s, last[c]);
+                const uint8_t *next = job->w + (n + c) * job->row_bytes + s * step +
+                                      (cols > 1 ? K8_COLS * job->row_bytes : ROW_PREFETCH_BYTES);
+                for (int line = 0; line < lines; line++) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T0);
+            }
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *x = job->x + (2 * s + h) * record_bytes(kind, 8);
+                if (cols == K8_COLS) {
+#pragma GCC unroll 4
+                    for (int c = 0; c < K8_COLS; c++) {
+                        const Unit8 unit = unit8(kind, at[c], h, job->lanes);
+                        acc[c] = unit8_row(kind, &unit, job->lanes, x, acc[c]);
+                    }
+                } else {
+                    const Unit8 unit = unit8(kind, at[0], h, job->lanes);
+                    acc[0] = unit8_row(kind, &unit, job->lanes, x, acc[0]);
+                }
+            }
+        }
+        for (int c = 0; c < cols; c++) put_f32(job->y, job->y_is_bf16, n + c, hsum_avx2(acc[c]));
+        n += cols;
+    }
+}
+
+/* `rows` (1, 2 or 4) rows of x from m0 against weight rows [n0, n1), as rows16_batch: blocks of
+ * K8_BLOCK weight rows, chunks of K8_CHUNK units, accumulators kept between chunks. */
+static inline __attribute__((always_inline)) void rows8_batch(int kind, const Job8 *job, int64_t n0, int64_t n1,
+                                                              int64_t m0, int rows) {
+    uint8_t last[192];
+    __m256 kept[K8_BLOCK][K8_MAX_ROWS];
+    const uint8_t *records = job->x + m0 * record_bytes(kind, 8);
+    for (int64_t block = n0; block < n1; block += K8_BLOCK) {
+        const int64_t block_rows = n1 - block < K8_BLOCK ? n1 - block : K8_BLOCK;
+        for (int64_t i = 0; i < block_rows; i++)
+            for (int r = 0; r < rows; r++) kept[i][r] = _mm256_setzero_ps();
+        for (int64_t s0 = 0; s0 < job->steps; s0 += K8_CHUNK / 2) {
+            const int64_t s1 = s0 + K8_CHUNK / 2 < job->steps ? s0 + K8_CHUNK / 2 : job->steps;
+            for (int64_t i = 0; i < block_rows; i++) {
+                __m256 acc[K8_MAX_ROWS];
+                for (int r = 0; r < rows; r++) acc[r] = kept[i][r];
+                for (int64_t s = s0; s < s1; s++) {
+                    const uint8_t *at = step_at(kind, job, block + i, s, last);
+                    if (i + 2 < block_rows) /* two rows on, at the same place */
+                        for (int line = 0; line < (unit_bytes(kind, 16) + 63) / 64; line++)
+                            _mm_prefetch((const char *)(at + 2 * job->row_bytes + 64 * line), _MM_HINT_T0);
+                    for (int h = 0; h < 2; h++) {
+                        const Unit8 unit = unit8(kind, at, h, job->lanes);
+                        const uint8_t *x = records + (2 * s + h) * job->M * record_bytes(kind, 8);
+#pragma GCC unroll 4
+                        for (int r = 0; r < rows; r++)
+                            acc[r] = unit8_row(kind, &unit, job->lanes, x + r * record_bytes(kind, 8), acc[r]);
+                    }
+                }
+                for (int r = 0; r < rows; r++) kept[i][r] = acc[r];
+            }
+        }
+        for (int64_t i = 0; i < block_rows; i++)
+            for (int r = 0; r < rows; r++)
+                put_f32(job->y, job->y_is_bf16, (m0 + r) * job->N + block + i, hsum_avx2(kept[i][r]));
+    }
+}
+
+/* rows8_single (rows 0) or rows8_batch with the kind and rows as constants. */
+#define ROWS8(KIND)                                                  \
+    do {                                                             \
+        switch (rows) {                                              \
+            case 0: rows8_single(KIND, job, n0, n1); return;         \
+            case 1: rows8_batch(KIND, job, n0, n1, m0, 1); return;   \
+            case 2: rows8_batch(KIND, job, n0, n1, m0, 2); return;   \
+            default: rows8_batch(KIND, job, n0, n1, m0, 4); return;  \
+        }                                                            \
+    } while (0)
+static void rows8(int kind, const Job8 *job, int64_t n0, int64_t n1, int64_t m0, int rows) {
+    switch (kind) {
+        case KIND_Q4_0: ROWS8(KIND_Q4_0);
+        case KIND_Q5_0: ROWS8(KIND_Q5_0);
+        case KIND_Q5_1: ROWS8(KIND_Q5_1);
+        case KIND_Q4_K: ROWS8(KIND_Q4_K);
+        case KIND_Q5_K: ROWS8(KIND_Q5_K);
+        default: ROWS8(KIND_Q6_K);
+    }
+}
+#undef ROWS8
+
+/* The int8-activation matmul of the kinds held as GGUF stores them, with AVX2: x rearranged into
+ * records of 128 weights (unit_x), then each thread's share of the weight rows. Returns 0, or -1
+ * when x's buffer could not be allocated. */
+int pd_quant_k_a8_gemm(int kind, const int8_t *q, const float *d, int64_t stride, int64_t M, int64_t K,
+                       const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads) {
+    const int64_t steps = (K + 255) / 256, units = 2 * steps;
+    const int64_t x_bytes = M * units * record_bytes(kind, 8);
+    uint8_t *records = (uint8_t *)malloc((size_t)(x_bytes + steps * 256 + steps * 16 * sizeof(int32_t)));
+    if (records == NULL) return -1;
+    unit_x(kind, 8, q, d, stride, M, K, units, records, (int8_t *)(records + x_bytes),
+           (int32_t *)(records + x_bytes + steps * 256));
+    const Lanes8 lanes = lanes8(kind);
+    const Job8 job = {w, records, k_row_bytes(kind, K), steps, K, M, N, y, y_is_bf16, &lanes};
+    const int64_t grain = M == 1 ? K8_COLS : K8_BLOCK, pieces = (N + grain - 1) / grain;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t n0 = pieces * me / team * grain, end = pieces * (me + 1) / team * grain;
+        const int64_t n1 = end < N ? end : N;
+        if (M == 1) {
+            rows8(kind, &job, n0, n1, 0, 0);
+        } else {
+            for (int64_t m0 = 0; m0 < M;) {
+                const int rows = M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+                rows8(kind, &job, n0, n1, m0, rows);
+                m0 += rows;
+            }
+        }
     }
     free(records);
     return 0;
