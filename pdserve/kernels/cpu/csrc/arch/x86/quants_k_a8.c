@@ -34,13 +34,14 @@
  * a K-quant's eight 6-bit scales and minima with llama.cpp's arithmetic on three words
  * (get_scale_min_k4 for all eight), Q6_K's sixteen int8 scales with one widening.
  *
- * Tiles (rows16_single, rows16_batch): at one row of x, four weight rows at a time (four fma
- * chains, four streams), the next tile's rows prefetched at the same place (without it, from
- * memory, 2-3x slower on a Zen 5 core); otherwise up to 8 rows of x share each decoded unit, in
- * blocks of 16 weight rows and chunks of 8 units, so that a chunk's records (20 KB at 8 rows)
- * stay in L1 for the whole block. Output rows are split between OpenMP threads. Every (weight
- * row, row of x) pair runs the same operations in the same order whatever its tile, so a row's
- * result does not depend on what it is batched with.
+ * Tiles (rows16_single, rows16_batch): at one row of x, a K-quant's weight rows one at a time (one
+ * stream, prefetched 8 KB ahead), the small kinds' four at a time (the next tile prefetched at
+ * the same place; without software prefetch, from memory, 2-3x slower on a Zen 5 core);
+ * otherwise up to 8 rows of x share each decoded unit, in blocks of 16 weight rows and chunks of
+ * 8 units, so that a chunk's records (20 KB at 8 rows) stay in L1 for the whole block. Output
+ * rows are split between OpenMP threads. Every (weight row, row of x) pair runs the same
+ * operations in the same order whatever its tile, so a row's result does not depend on what it
+ * is batched with.
  *
  * With AVX2 the same in 256 bits (unit8_*, rows8_*): units of 128 weights (a K-quant's half
  * super-block, 4 small blocks), 8 lanes; vpmaddubsw's pairs summed in int16 (at most 4 * 2 * 31 *
@@ -439,9 +440,14 @@ static inline void copy_last(int kind, const Job *job, int64_t n, uint8_t *last)
     }
 }
 
-/* How far ahead of its reads rows16_single fetches: the tile K_A8_PREFETCH_TILES on, at the same
- * place (with one weight row, ROW_PREFETCH_BYTES on along it). */
-#define K_A8_PREFETCH_TILES 1
+/* How far ahead of its reads rows16_single fetches: with tiles of K_A8_COLS rows, the next tile
+ * at the same place; a row at a time, K_A8_ROW_AHEAD bytes on along the matrix (a single stream:
+ * consecutive rows are contiguous). Streamed on one Zen 5 core at one row of x, Q4_K / Q6_K took
+ * 1.07-1.33x / 1.09-1.23x a read of their bytes a row at a time against 1.24-1.35x in tiles of 4,
+ * and Q4_0 / Q5_0 (K = 8192) 1.10-1.14x / 1.11-1.22x in tiles against 1.2-2.3x a row at a time
+ * (why the small kinds stall in one stream is not understood: 30 cycles a unit where in cache it
+ * is 15); 4-24 KB ahead made no difference beyond the noise. */
+#define K_A8_ROW_AHEAD 8192
 
 /* A unit's bytes from `at`, one prefetch a cache line. */
 static inline __attribute__((always_inline)) void prefetch_unit(int kind, const uint8_t *at) {
@@ -450,15 +456,15 @@ static inline __attribute__((always_inline)) void prefetch_unit(int kind, const 
 }
 
 /*
- * One row of x (M == 1): weight rows [n0, n1) in tiles of K_A8_COLS (the last, partial tile a row
- * at a time, summed alike), each tile's rows decoded unit by unit into their own chains: four
- * independent streams for the prefetcher and four fma chains. Each row's sum is one chain of
- * unit16_row in unit order, then one _mm512_reduce_add_ps, as in rows16_batch.
+ * One row of x (M == 1): weight rows [n0, n1) a row at a time (the K-quants), or for the small
+ * kinds in tiles of K_A8_COLS, each tile's rows decoded unit by unit into their own chains (the
+ * last, partial tile a row at a time, summed alike); see K_A8_ROW_AHEAD. Each row's sum is one
+ * chain of unit16_row in unit order, then one _mm512_reduce_add_ps, as in rows16_batch.
  */
 static inline __attribute__((always_inline)) void rows16_single(int kind, const Job *job, int64_t n0, int64_t n1) {
     uint8_t last[K_A8_COLS][192];
     for (int64_t n = n0; n < n1;) {
-        const int cols = n + K_A8_COLS <= n1 ? K_A8_COLS : 1;
+        const int cols = family_of(kind) == FAMILY_SMALL && n + K_A8_COLS <= n1 ? K_A8_COLS : 1;
         if (has_partial(kind, job))
             for (int c = 0; c < cols; c++) copy_last(kind, job, n + c, last[c]);
         __m512 acc[K_A8_COLS];
@@ -469,14 +475,13 @@ static inline __attribute__((always_inline)) void rows16_single(int kind, const 
 #pragma GCC unroll 4
                 for (int c = 0; c < K_A8_COLS; c++) {
                     const uint8_t *at = unit_at(kind, job, n + c, u, last[c]);
-                    /* the tile K_A8_PREFETCH_TILES on, at the same place */
-                    prefetch_unit(kind, job->w + (n + c + K_A8_PREFETCH_TILES * K_A8_COLS) * job->row_bytes +
-                                            u * unit_bytes(kind, 16));
+                    /* the next tile, at the same place */
+                    prefetch_unit(kind, job->w + (n + c + K_A8_COLS) * job->row_bytes + u * unit_bytes(kind, 16));
                     const Unit16 unit = unit16(kind, at, job->lanes, job->small);
                     acc[c] = unit16_row(kind, &unit, job->lanes, x, acc[c]);
                 }
             } else {
-                prefetch_unit(kind, job->w + n * job->row_bytes + u * unit_bytes(kind, 16) + ROW_PREFETCH_BYTES);
+                prefetch_unit(kind, job->w + n * job->row_bytes + u * unit_bytes(kind, 16) + K_A8_ROW_AHEAD);
                 const Unit16 unit = unit16(kind, unit_at(kind, job, n, u, last[0]), job->lanes, job->small);
                 acc[0] = unit16_row(kind, &unit, job->lanes, x, acc[0]);
             }
