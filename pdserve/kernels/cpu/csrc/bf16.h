@@ -78,6 +78,23 @@ static inline void put_f32x16(void *a, int is_bf16, int64_t i, __m512 v) {
     else
         _mm512_storeu_ps((float *)a + i, v);
 }
+
+/* 32 decoded weights (lo: the first 16, hi: the next) to a[i..i+31] of an fp32 or bf16 array,
+ * rounded to nearest even once: the dequantizations' store. With AVX512-BF16 one
+ * vcvtne2ps2bf16 for the 32; it flushes denormals, which no weight is (fp16 scales times
+ * integers make every weight 0 or a multiple of 2^-24), so the bits are put_f32x16's. SmolLM2's
+ * 120 layer matrices into fresh bf16 buffers, one Zen 5 core: 17.4 -> 16.0 ms (the writes bound
+ * it). */
+static inline void put_f32x32(void *a, int is_bf16, int64_t i, __m512 lo, __m512 hi) {
+#if PD_HAS_AVX512_BF16
+    if (is_bf16) {
+        _mm512_storeu_si512((uint16_t *)a + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        return;
+    }
+#endif
+    put_f32x16(a, is_bf16, i, lo);
+    put_f32x16(a, is_bf16, i + 16, hi);
+}
 #endif
 
 /* Element i of a bf16 (is_bf16) or fp32 array, as fp32. */

@@ -44,22 +44,6 @@ static inline void decode_block(int kind, BlockRef ref, __m512 *lo, __m512 *hi) 
     decode_bytes(kind, first, second, ref.d, ref.m, lo, hi);
 }
 
-/* 32 decoded weights to out[at...] in fp32 or bf16. */
-static inline void store_block(void *out, int out_is_bf16, int64_t at, __m512 lo, __m512 hi) {
-#if PD_HAS_AVX512_BF16
-    /* one vcvtne2ps2bf16 for the 32 (nearest even, as put_f32x16 rounds; it flushes denormals,
-     * which a block's d q + m cannot be: fp16 d and m make every weight 0 or a multiple of
-     * 2^-24), so the bits are put_f32x16's. SmolLM2's 120 layer matrices into fresh bf16
-     * buffers, one Zen 5 core: 17.4 -> 16.0 ms (the writes bound it). */
-    if (out_is_bf16) {
-        _mm512_storeu_si512((uint16_t *)out + at, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        return;
-    }
-#endif
-    put_f32x16(out, out_is_bf16, at, lo);
-    put_f32x16(out, out_is_bf16, at + 16, hi);
-}
-
 /* The 16 rows' bytes of four vectors whose lane r holds 4 bytes of row r (an interleaved chunk's
  * words 4k-4k+3): row[j] gets, in 128-bit lane L, the 16 bytes of row 4L + j. */
 static inline void rows_of_words(const uint8_t *words, __m512i *row) {
@@ -110,7 +94,7 @@ static void dequant_x16_all(int kind, const uint8_t *w, int64_t K, void *out, in
                     decode_bytes(plain, lane_128(first[j], lane),
                                  plain == KIND_Q8_0 ? lane_128(second[j], lane) : _mm_setzero_si128(), d[r],
                                  plain == KIND_Q4_1 ? m[r] : 0, &lo, &hi);
-                    store_block(out, out_is_bf16, (g * X16 + r) * K + b * QK, lo, hi);
+                    put_f32x32(out, out_is_bf16, (g * X16 + r) * K + b * QK, lo, hi);
                 }
         }
 }
@@ -176,7 +160,7 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
         for (int64_t b = 0; b < blocks; b++) {
             __m512 lo, hi;
             decode_block(plain, block_of(kind, w, w_row, K, n, b, gathered), &lo, &hi);
-            store_block(out, out_is_bf16, i * K + b * QK, lo, hi);
+            put_f32x32(out, out_is_bf16, i * K + b * QK, lo, hi);
         }
     }
 }

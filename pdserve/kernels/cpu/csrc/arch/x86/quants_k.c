@@ -158,20 +158,6 @@ static inline __attribute__((always_inline)) void unit_weights_f32(int kind, con
     *hi = _mm512_fmadd_ps(_mm512_set1_ps(sc->d[2 * s + 1]), q_hi, _mm512_set1_ps(sc->m[2 * s + 1]));
 }
 
-/* 32 decoded weights to out[at...] in fp32 or bf16 (rounded to nearest even once). */
-static inline void store_weights(void *out, int out_is_bf16, int64_t at, __m512 lo, __m512 hi) {
-#if PD_HAS_AVX512_BF16
-    /* one vcvtne2ps2bf16 for the 32: it flushes denormals, which no weight is (d and m are
-     * multiples of 2^-24: fp16 times integers), so the bits are put_f32x16's */
-    if (out_is_bf16) {
-        _mm512_storeu_si512((uint16_t *)out + at, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        return;
-    }
-#endif
-    put_f32x16(out, out_is_bf16, at, lo);
-    put_f32x16(out, out_is_bf16, at + 16, hi);
-}
-
 /* Rows `rows` (NULL: 0 .. count - 1) of a matrix of `kind` decoded into out [count, K]. */
 static inline __attribute__((always_inline)) void dequant_rows(int kind, const uint8_t *w, int64_t K,
                                                                const int64_t *rows, int64_t count, void *out,
@@ -188,7 +174,7 @@ static inline __attribute__((always_inline)) void dequant_rows(int kind, const u
             for (int s = 0; s < subs; s++) {
                 __m512 lo, hi;
                 unit_weights_f32(kind, unit, &sc, s, &lo, &hi);
-                store_weights(out, out_is_bf16, i * K + (u * subs + s) * QK, lo, hi);
+                put_f32x32(out, out_is_bf16, i * K + (u * subs + s) * QK, lo, hi);
             }
         }
     }
