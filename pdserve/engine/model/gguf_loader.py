@@ -35,6 +35,7 @@ from pdserve.engine.model.arch import ModelArchConfig, UnsupportedModelError
 from pdserve.engine.model.gguf_blocks import KERNEL_KIND, permute_block_rows, to_kernel_blocks
 from pdserve.engine.model.gguf_file import GGUFFile, GGUFTensor
 from pdserve.engine.model.weights import FUSED_PROJECTIONS, BlockPart, BlockState, hf_to_model_state_dict
+from pdserve.kernels.cpu import quant as cpu_quant
 from pdserve.kernels.cpu.quant import BlockKind, dequantize_ref
 
 logger = logging.getLogger(__name__)
@@ -289,6 +290,10 @@ def _split_groups(
     return split
 
 
+def _names(every: dict, held: dict) -> str:
+    return ", ".join(t.name for t in every if t not in held)
+
+
 def _in_features(kind: BlockKind, blocks: torch.Tensor) -> int:
     return blocks.shape[1] // kind.block_bytes * kind.block_weights
 
@@ -321,9 +326,14 @@ def load_gguf_blocks(
     hf_dense: dict[str, torch.Tensor] = {}
     hf_blocks: dict[str, torch.Tensor] = {}
     kinds: dict[str, BlockKind] = {}
+    held_kinds = {t: kind for t, kind in KERNEL_KIND.items() if not kind.as_gguf or cpu_quant.k_route()}
+    if len(held_kinds) < len(KERNEL_KIND):
+        logger.info(
+            "no vector kernels for %s on this CPU (no AVX-512): held dense", _names(KERNEL_KIND, held_kinds)
+        )
     for tensor, name in _gguf_tensors(reader, arch):
         rows, in_features = (int(n) for n in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
-        if tensor.tensor_type not in KERNEL_KIND or not name.endswith(".weight") or rows == 0:
+        if tensor.tensor_type not in held_kinds or not name.endswith(".weight") or rows == 0:
             hf_dense[name] = _dequantized(tensor, name, config, arch)
             continue
         kind, blocks = to_kernel_blocks(tensor.tensor_type, tensor.data, rows, in_features)

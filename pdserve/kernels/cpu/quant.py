@@ -102,6 +102,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_quant_dequant.restype = None
     lib.pd_quant_matmul_a8.argtypes = [cint, ptr, cint, i64, i64, ptr, i64, ptr, cint, cint]
     lib.pd_quant_matmul_a8.restype = cint
+    lib.pd_quant_k_route.argtypes = []
+    lib.pd_quant_k_route.restype = cint
     lib.pd_repack_a8_route.argtypes = []
     lib.pd_repack_a8_route.restype = cint
     lib.pd_repack_bf16_route.argtypes = []
@@ -123,6 +125,13 @@ def library() -> ctypes.CDLL:
 def available() -> bool:
     """True when the C kernels build and load here (logged once, why they do not)."""
     return KERNELS.available()
+
+
+def k_route() -> bool:
+    """True when the kinds held as GGUF stores them (``BlockKind.as_gguf``) run vector kernels for
+    float activations here (AVX-512); elsewhere their plain C loops are correct and 30-80x slower,
+    so the loader keeps those tensors dense."""
+    return available() and bool(library().pd_quant_k_route())
 
 
 def x16_route() -> bool:

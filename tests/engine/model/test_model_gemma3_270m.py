@@ -24,8 +24,9 @@ import os
 import pytest
 import torch
 
-from pdserve.engine.model.gguf_loader import open_gguf
+from pdserve.engine.model.gguf_loader import load_gguf_blocks, open_gguf
 from pdserve.engine.request import SamplingParams
+from pdserve.kernels.cpu.quant import BlockKind
 from tests.helpers import quality
 from tests.helpers.paths import TEST_DATA
 
@@ -140,3 +141,20 @@ def test_default_quantization_tracks_fp32(path, fp32_llm, prompts, text_ids):
     )
     assert abs(change) <= MAX_PPL_CHANGE
     assert agreement.mean_first_divergence >= MIN_MEAN_FIRST_DIVERGENCE
+
+
+def test_without_vector_kernels_for_its_kinds_they_are_held_dense(path, monkeypatch):
+    """On a CPU without AVX-512 the kinds held as GGUF stores them would run plain C loops (30-80x
+    slower): the loader keeps those tensors dense, as before they had kernels, and the Q8_0 ones
+    as blocks."""
+    from pdserve.kernels.cpu import quant as cpu_quant
+
+    monkeypatch.setattr(cpu_quant, "k_route", lambda: False)
+    _, dense, blocks = load_gguf_blocks(path, torch.bfloat16)
+    held = {part[0] for value in blocks.values() for part in (value if isinstance(value, list) else [value])}
+    assert held == {BlockKind.Q8_0}
+    assert "model.layers.0.mlp.down_proj.weight" in dense  # Q5_0 or Q6_K in the file
+    monkeypatch.setattr(cpu_quant, "k_route", lambda: True)
+    _, _, blocks = load_gguf_blocks(path, torch.bfloat16)
+    held = {part[0] for value in blocks.values() for part in (value if isinstance(value, list) else [value])}
+    assert {BlockKind.Q5_0, BlockKind.Q4_K, BlockKind.Q6_K} <= held

@@ -20,6 +20,9 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
 int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                        void *y, int y_is_bf16, int threads);
 
+/* quants_k.c: whether the kinds held as GGUF stores them run a vector kernel here */
+int pd_quant_k_route(void);
+
 /* repack_a8.c, repack_bf16.c: whether blocks repacked 16 rows at a time run a vector kernel here */
 int pd_repack_a8_route(void);
 int pd_repack_bf16_route(void);

@@ -89,3 +89,14 @@ void pd_quant_k_dequant_generic(int kind, const uint8_t *w, int64_t K, const int
         }
     }
 }
+
+/* 1 when these kinds' fp32 and bf16 routes run vector code here (AVX-512: arch/x86/quants_k.c),
+ * 0 where they would run the plain loops above (correct, 30-80x slower): the model loader then
+ * holds such tensors dense, as it did before these kinds had kernels. */
+int pd_quant_k_route(void) {
+#if PD_HAS_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
