@@ -290,10 +290,6 @@ def _split_groups(
     return split
 
 
-def _names(every: dict, held: dict) -> str:
-    return ", ".join(t.name for t in every if t not in held)
-
-
 def _in_features(kind: BlockKind, blocks: torch.Tensor) -> int:
     return blocks.shape[1] // kind.block_bytes * kind.block_weights
 
@@ -327,10 +323,9 @@ def load_gguf_blocks(
     hf_blocks: dict[str, torch.Tensor] = {}
     kinds: dict[str, BlockKind] = {}
     held_kinds = {t: kind for t, kind in KERNEL_KIND.items() if not kind.as_gguf or cpu_quant.k_route()}
-    if len(held_kinds) < len(KERNEL_KIND):
-        logger.info(
-            "no vector kernels for %s on this CPU (no AVX-512): held dense", _names(KERNEL_KIND, held_kinds)
-        )
+    dense_kinds = [t.name for t in KERNEL_KIND if t not in held_kinds]
+    if dense_kinds:
+        logger.info("no vector kernels for %s on this CPU (no AVX-512): held dense", ", ".join(dense_kinds))
     for tensor, name in _gguf_tensors(reader, arch):
         rows, in_features = (int(n) for n in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
         if tensor.tensor_type not in held_kinds or not name.endswith(".weight") or rows == 0:

@@ -78,6 +78,7 @@ class QuantLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features = in_features
+        self.out_features = 0  # the parts' rows, kept as they are added (forward reads it each call)
         self.kinds: list[BlockKind] = []
         self._add_part(kind, blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -85,14 +86,11 @@ class QuantLinear(nn.Module):
         self.int8_activations = False  # use_int8_activations
 
     def _add_part(self, kind: BlockKind, blocks: torch.Tensor) -> None:
-        if blocks.dim() != 2 or blocks.shape[1] != kind.row_bytes(self.in_features):
-            raise ValueError(
-                f"{kind.name} blocks {tuple(blocks.shape)} do not hold rows of {self.in_features}"
-            )
         blocks = blocks.contiguous()
         cpu_quant.check_blocks(kind, blocks, self.in_features)  # once: forward passes checked=True
         self.register_buffer(_part_name(len(self.kinds)), blocks)
         self.kinds.append(kind)
+        self.out_features += blocks.shape[0]
 
     @classmethod
     def from_parts(
@@ -125,10 +123,6 @@ class QuantLinear(nn.Module):
         if len(self.kinds) != 1:
             raise AttributeError(f"a weight of {len(self.kinds)} parts has no one kind")
         return self.kinds[0]
-
-    @property
-    def out_features(self) -> int:
-        return sum(blocks.shape[0] for _, blocks in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
