@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model.layers.attention import AttentionMetadata
+from pdserve.bench.perplexity.pdserve_run import prefill_metadata
 
 if TYPE_CHECKING:
     from pdserve import LLM
@@ -129,7 +129,7 @@ def perplexity(
             parts = []
             for start in range(0, length, step):
                 stop = min(start + step, length)
-                meta = _prefill_metadata(start, stop - start, block_size, device)
+                meta = prefill_metadata(stop - start, block_size, device, start=start)
                 positions = torch.arange(start, stop, dtype=torch.long, device=device)
                 parts.append(model(ids[begin + start : begin + stop], positions, kv_cache, meta))
             hidden = torch.cat(parts)  # [length, hidden]
@@ -149,23 +149,6 @@ def perplexity(
         window=window,
         stride=stride,
         token_nlls=token_nlls,
-    )
-
-
-def _prefill_metadata(start: int, length: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """One prefill chunk of ``length`` tokens at positions ``start..start+length-1`` of a
-    sequence in blocks ``0, 1, ...``, positions before ``start`` already in the cache (what
-    ``ModelRunner._attention_metadata`` builds for a lone prompt's chunk)."""
-    seq_len = start + length
-    num_blocks = -(-seq_len // block_size)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(start, seq_len, dtype=torch.long, device=device),
-        num_decode_tokens=0,
-        decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
-        decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        prefill_query_start_loc=torch.tensor([0, length], dtype=torch.int32, device=device),
-        prefill_seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
     )
 
 

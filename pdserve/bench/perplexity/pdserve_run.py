@@ -71,16 +71,19 @@ def evaluate(
     return tally
 
 
-def prefill_metadata(length: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """One sequence's whole prompt of ``length`` tokens in blocks ``0, 1, ...``, nothing cached
-    (what ``ModelRunner._attention_metadata`` builds for a lone prompt in one chunk)."""
-    num_blocks = -(-length // block_size)
+def prefill_metadata(length: int, block_size: int, device: torch.device, start: int = 0) -> AttentionMetadata:
+    """One sequence's prefill chunk of ``length`` tokens at positions ``start..start+length-1``,
+    in blocks ``0, 1, ...``, positions before ``start`` already in the cache (what
+    ``ModelRunner._attention_metadata`` builds for a lone prompt's chunk; ``start`` 0: its whole
+    prompt, nothing cached)."""
+    seq_len = start + length
+    num_blocks = -(-seq_len // block_size)
     return AttentionMetadata(
-        slot_mapping=torch.arange(length, dtype=torch.long, device=device),
+        slot_mapping=torch.arange(start, seq_len, dtype=torch.long, device=device),
         num_decode_tokens=0,
         decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
         decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
         prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
         prefill_query_start_loc=torch.tensor([0, length], dtype=torch.int32, device=device),
-        prefill_seq_lens=torch.tensor([length], dtype=torch.int32, device=device),
+        prefill_seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
     )

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.bench.common.hf_reference import load_transformers_reference
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_loader import load_gguf, open_gguf, read_arch_config
 from pdserve.engine.model.hf_loader import load_hf_dir, read_hf_config
@@ -222,24 +223,26 @@ def test_bfloat16_tracks_float32(tiny_dirs, name):
 
 @pytest.mark.slow
 def test_prefill_logits_match_transformers(variant, tiny_dirs):
-    from transformers import AutoModelForCausalLM
+    _assert_prefill_logits_match_transformers(load_model(tiny_dirs[variant]), tiny_dirs[variant])
 
-    ours = load_model(tiny_dirs[variant])
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[variant], dtype=torch.float32).eval()
+
+def _assert_prefill_logits_match_transformers(ours, directory: str) -> torch.Tensor:
+    """pdserve's prefill logits of the longest prompt equal transformers' on the same checkpoint
+    (to 1e-5 of the largest, same argmax everywhere); returns transformers' logits."""
+    hf = load_transformers_reference(directory)
     ids = _prompts(ours.arch.vocab_size)[-1]
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0]
     logits = prefill_logits(ours.model, ours.arch, ids)
     assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    return expected
 
 
 @pytest.mark.slow
 def test_gemma_scaled_global_rope_and_logit_softcap_match_transformers(tmp_path):
     """What the larger Gemma 3 checkpoints set: a linear RoPE scaling of 8 on the global layers
     only (4B and up; 4.x ``rope_scaling`` form) and, had they one, a final logit soft-cap."""
-    from transformers import AutoModelForCausalLM
-
     directory = write_tiny_model(str(tmp_path), seed=5, variant="gemma3")
     config_path = Path(directory, "config.json")
     cfg = json.loads(config_path.read_text())
@@ -247,21 +250,13 @@ def test_gemma_scaled_global_rope_and_logit_softcap_match_transformers(tmp_path)
     config_path.write_text(json.dumps(cfg))
     ours = load_model(directory)
     assert ours.arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    ids = _prompts(ours.arch.vocab_size)[-1]
-    with torch.inference_mode():
-        expected = hf(torch.tensor([ids])).logits[0]
-    logits = prefill_logits(ours.model, ours.arch, ids)
+    expected = _assert_prefill_logits_match_transformers(ours, directory)
     assert expected.abs().max() <= 3.0
-    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(variant, tiny_dirs) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[variant], dtype=torch.float32).eval()
+    model = load_transformers_reference(tiny_dirs[variant])
     return _hf_greedy(model, _prompts(model.config.vocab_size))
 
 
@@ -307,14 +302,10 @@ def test_gguf_matches_transformers_gguf(variant, tiny_dirs, tiny_ggufs, hf_greed
     the checkpoint holds (Mistral's window, as llama.cpp's converter writes arch ``llama``:
     pdserve and transformers alike attend to every key, and differ from the checkpoint past the
     window)."""
-    from transformers import AutoModelForCausalLM
-
     from pdserve import LLM
 
     path = tiny_ggufs[variant]
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    hf = load_transformers_reference(path)
     llm = LLM(path, max_model_len=256, num_blocks=64)
     prompts = _prompts(llm.engine.vocab_size)
     ours = [c.token_ids for c in llm.generate(prompts, _greedy())]

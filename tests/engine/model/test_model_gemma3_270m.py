@@ -24,6 +24,7 @@ import os
 import pytest
 import torch
 
+from pdserve.bench.common.hf_reference import load_transformers_reference
 from pdserve.engine.model.gguf_loader import load_gguf_blocks, open_gguf
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu.quant import BlockKind
@@ -79,11 +80,7 @@ def _llm(path: str, quantization: str):
 
 @pytest.fixture(scope="module")
 def hf_greedy(path, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    model = load_transformers_reference(path)
     assert type(model).__name__ == "Gemma3ForCausalLM"
     model.generation_config.eos_token_id = None  # as ignore_eos: every prompt runs MAX_TOKENS
     outputs = []
