@@ -43,6 +43,7 @@ from typing import cast
 
 from pdserve import healthcheck
 from pdserve.config import KV_TRANSPORTS
+from pdserve.engine.cpu_lending import create_board
 from pdserve.engine.cpu_resources import allowed_cpus, format_cpu_list, parse_cpu_list
 from pdserve.router.auth import KEYS_ENV, add_key_args, add_tls_args, check_key, front_door_settings
 from pdserve.supervisor import (
@@ -203,6 +204,7 @@ class LocalCluster:
         cpus: dict[str, Sequence[int]] | None = None,
         role_cpus: dict[str, Sequence[int]] | None = None,
         place_cpus: bool = True,
+        lend_cpus: bool = True,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         grace_s: float = DEFAULT_GRACE_S,
         progress: Callable[[str], None] | None = None,
@@ -235,6 +237,10 @@ class LocalCluster:
             self.cpus = plan_engine_cpus(allowed_cpus(), num_prefill, num_decode, role_cpus or {})
         else:
             self.cpus = {}
+        # Engines pinned to cores of their own lend them to each other while idle (a cpu board
+        # in the log dir; pdserve.engine.cpu_lending): a lone stream decodes on both cores.
+        self.lend_cpus = lend_cpus
+        self.cpu_board: str | None = None
         self.log_level = log_level
         self.startup_timeout_s = startup_timeout_s
         self.grace_s = grace_s
@@ -248,6 +254,7 @@ class LocalCluster:
         # The engines are one wave and the router the next, so stop() takes the router down first.
         self.supervisor = Supervisor(grace_s=grace_s, progress=self.progress, stop_event=self.stop_requested)
         self._failed = False  # a start-up failure keeps a temp log dir for reading
+        self._board_slots: dict[str, int] = {}  # engine name -> its slot on the cpu board
 
     # ------------------------------------------------------------------ addresses
 
@@ -309,6 +316,11 @@ class LocalCluster:
             for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode))
             for i in range(n)
         ]
+        engine_cpus = [self.cpus.get(name) for name in names]
+        if self.lend_cpus and len(names) > 1 and all(engine_cpus):
+            self.cpu_board = os.path.join(self.log_dir, "cpu-board")
+            create_board(self.cpu_board, [list(cpus or ()) for cpus in engine_cpus])
+            self._board_slots = {name: slot for slot, name in enumerate(names)}
         try:
             for wave in (names, ["router"]):
                 self.supervisor.start(
@@ -348,6 +360,8 @@ class LocalCluster:
                 argv += ["--engine-id", f"{name}-{port}"]
                 if core_cpus:  # the engine's core, not its front (see the module's docstring)
                     argv += ["--core-cpus", format_cpu_list(core_cpus)]
+                if self.cpu_board is not None:
+                    argv += ["--cpu-board", f"{self.cpu_board}:{self._board_slots[name]}"]
             else:
                 env, tls = self._router_env(), self._router_health_tls()
             procs.append(
@@ -500,6 +514,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not pin the engines: each sees every cpu (and runs as many threads)",
     )
+    parser.add_argument(
+        "--no-cpu-lending",
+        action="store_true",
+        help="engines keep to their own cores even while another engine's are idle (by default "
+        "an engine borrows an idle engine's cores for its steps)",
+    )
     add_key_args(parser)
     add_tls_args(parser)
 
@@ -548,6 +568,7 @@ def main(args: argparse.Namespace) -> int:
                 if cpus is not None
             },
             place_cpus=not args.no_cpu_placement,
+            lend_cpus=not args.no_cpu_lending,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -226,10 +226,16 @@ class EngineConfig:
     # CPUs the core process (the model's steps, torch's threads) is pinned to; None: wherever the
     # front may run. The front (gRPC, streaming) is not pinned with it: see pdserve.cluster.
     core_cpus: list[int] | None = None
+    # The cpu board this engine shares with the other engines of its machine, and its slot there
+    # (pdserve.engine.cpu_lending): it borrows their cores while they are idle. None: no lending.
+    cpu_board: str | None = None
+    cpu_board_slot: int = 0
 
     def __post_init__(self) -> None:
         if self.core_cpus is not None and (not self.core_cpus or min(self.core_cpus) < 0):
             raise ValueError(f"core_cpus must name cpus, got {self.core_cpus}")
+        if self.cpu_board_slot < 0:
+            raise ValueError(f"cpu_board_slot must be >= 0, got {self.cpu_board_slot}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -246,4 +252,6 @@ class EngineConfig:
             threads=int(data.get("threads", 0)),
             kv_events=KVEventsConfig(**data["kv_events"]) if data.get("kv_events") else None,
             core_cpus=[int(c) for c in data["core_cpus"]] if data.get("core_cpus") is not None else None,
+            cpu_board=data.get("cpu_board"),
+            cpu_board_slot=int(data.get("cpu_board_slot", 0)),
         )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.connector.base import KVConnectorBase
+from pdserve.engine.cpu_lending import LentThreads
 from pdserve.engine.kv_events import EventBatch, KVEventPublisher
 from pdserve.engine.model.loader import LoadedModel
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -93,6 +94,9 @@ class EngineCore:
         self._max_join_layer = int(self.runner.num_layers * INFLIGHT_JOIN_MAX_LAYER_FRACTION)
         self.num_joined_in_flight = 0  # requests that joined a step in flight (a counter)
         self.kv_events: KVEventPublisher | None = None
+        # Cores lent by the other engines of the machine while they are idle (pdserve cluster):
+        # the busy loop marks this engine busy or idle and sizes each step's threads.
+        self.lent_threads: LentThreads | None = None
 
     def attach_kv_events(self, publisher: KVEventPublisher) -> None:
         """Publish this engine's KV-cache events: one batch per step that changed the cache."""
@@ -281,14 +285,24 @@ class EngineCore:
             deferred, self._deferred_inputs = self._deferred_inputs, []
             for item in deferred + receive(timeout):
                 self._handle_input(item, emit)
+            lent = self.lent_threads
             if not self.has_work():
+                if lent is not None:
+                    lent.idle()
                 self.publish_kv_events()  # an abort or a reset changed the cache; or a snapshot
                 continue
+            if lent is not None:
+                if self.scheduler.has_requests():
+                    lent.begin_step()
+                else:
+                    lent.idle()  # only held blocks to watch
             self._stepping = True
             try:
                 outputs = self.step()
             finally:
                 self._stepping = False
+            if lent is not None and self.last_step_num_tokens == 0:
+                lent.idle()  # only transfers in flight
             self.publish_kv_events()
             if outputs:
                 emit(outputs)
@@ -303,6 +317,8 @@ class EngineCore:
     ) -> None:
         if not self._stepping:
             return  # a forward outside the busy loop's step (warm-up): nothing to take
+        if self.lent_threads is not None:
+            self.lent_threads.apply()  # an owner that became busy takes its cores back now
         self._take_inputs_mid_step(receive, emit)
         if self.joins_in_flight and layer_index <= self._max_join_layer:
             self._join_landed_requests()

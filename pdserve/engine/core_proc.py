@@ -21,6 +21,7 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
+from pdserve.engine.cpu_lending import CpuBoard, LentThreads
 from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.model.arch import UnsupportedModelError
@@ -160,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             pin_process(config.core_cpus)
         # Before any torch work: threads sized to this process's CPUs, not the machine's.
         threads = configure_torch_threads(config.threads)
+        lent = LentThreads(CpuBoard(config.cpu_board, config.cpu_board_slot)) if config.cpu_board else None
         try:
             core = build_engine_core(config)
         except (UnsupportedModelError, UnsupportedTokenizerError) as exc:
             # A model this engine cannot serve is one line, not a traceback of the loader.
             logger.error("cannot serve %s: %s", config.model.path or "the bundled model", exc)
             return 1
+        core.lent_threads = lent
         if config.kv_events is not None:
             core.attach_kv_events(
                 KVEventPublisher(

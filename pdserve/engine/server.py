@@ -330,6 +330,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "front (gRPC, streaming) runs wherever this process may. pdserve cluster passes each "
         "engine its share, so that token streaming does not take a decode engine's cycles",
     )
+    parser.add_argument(
+        "--cpu-board",
+        default=None,
+        metavar="PATH:SLOT",
+        help="the cpu board this engine shares with the other engines of the machine, and its "
+        "slot there: it borrows their cores while they are idle and lends its own (pdserve "
+        "cluster passes it; see pdserve.engine.cpu_lending)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
@@ -385,6 +393,12 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
         raise ValueError(
             f"--core-cpus names cpus {outside} this process may not use (it may use {allowed_cpus()})"
         )
+    board_path, board_slot = None, 0
+    if args.cpu_board:
+        path, sep, slot = args.cpu_board.rpartition(":")
+        if not sep or not path or not slot.isdigit():
+            raise ValueError(f"--cpu-board takes PATH:SLOT, got {args.cpu_board!r}")
+        board_path, board_slot = path, int(slot)
     kv = None
     if kv_role is not None:
         kv = KVTransferConfig(
@@ -416,6 +430,8 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
         kv_transfer=kv,
         threads=args.threads,
         core_cpus=args.core_cpus,
+        cpu_board=board_path,
+        cpu_board_slot=board_slot,
         kv_events=KVEventsConfig(host=args.host, port=args.kv_events_port)
         if args.kv_events_port is not None
         else None,

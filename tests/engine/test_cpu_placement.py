@@ -174,7 +174,10 @@ def _engine_info(address: str) -> engine_pb2.EngineInfo:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cpus to place 2 engines")
-def test_cluster_places_each_engine_on_cores_of_its_own_with_one_thread_per_core(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("lending", [True, False], ids=["lending", "no-lending"])
+def test_cluster_places_each_engine_on_cores_of_its_own_with_one_thread_per_core(
+    tiny_model_dir, tmp_path, lending
+):
     cpus = sorted(os.sched_getaffinity(0))[:2]
     # Run the command on exactly 2 cores (as on the 2-core box the defaults are made for).
     cpu_set = ",".join(map(str, cpus))
@@ -186,7 +189,8 @@ def test_cluster_places_each_engine_on_cores_of_its_own_with_one_thread_per_core
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PDSERVE_DTYPE")}
     proc = subprocess.Popen(
         [sys.executable, "-c", pin_then_exec, "-m", "pdserve", "cluster", "--model", tiny_model_dir,
-         "--kv-transport", "tcp", "--engine-args", " ".join(TINY_ENGINE_ARGS), "--log-dir", str(tmp_path)],
+         "--kv-transport", "tcp", "--engine-args", " ".join(TINY_ENGINE_ARGS), "--log-dir", str(tmp_path),
+         *([] if lending else ["--no-cpu-lending"])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     lines: queue.Queue = queue.Queue()
@@ -217,14 +221,21 @@ def test_cluster_places_each_engine_on_cores_of_its_own_with_one_thread_per_core
         fronts = {name: _own_thread_affinities(pid) for name, (_, pid, _) in rows.items()}
         cores = {name: {tid: mask for tid, mask in affinities[name].items() if tid not in fronts[name]}
                  for name in ("prefill-0", "decode-0")}  # fmt: skip
-        prefill_cpus = set().union(*cores["prefill-0"].values())
-        decode_cpus = set().union(*cores["decode-0"].values())
-        # Every thread of an engine's core process (the steps, torch's pool, ZMQ) stays on its
-        # engine's core; the fronts (gRPC, streaming) run anywhere, like the router.
         assert cores["prefill-0"] and cores["decode-0"], affinities
-        assert prefill_cpus == {cpus[0]}, cores["prefill-0"]
-        assert decode_cpus == {cpus[1]}, cores["decode-0"]
-        assert not prefill_cpus & decode_cpus
+        core_pids = {name: next(iter(_children(rows[name][1]))) for name in ("prefill-0", "decode-0")}
+        for name, own in (("prefill-0", cpus[0]), ("decode-0", cpus[1])):
+            # The core's main thread (its steps) stays on its engine's core either way.
+            assert cores[name][core_pids[name]] == {own}, cores[name]
+            if lending:
+                # Its torch pool may also run on the other engine's core (while that is idle);
+                # every other thread started later (ZMQ, transfers) inherits the main's core.
+                assert all(mask <= set(cpus) for mask in cores[name].values()), cores[name]
+                assert any(mask == set(cpus) for mask in cores[name].values()), cores[name]
+            else:
+                # Every thread of an engine's core process (the steps, torch's pool, ZMQ) stays
+                # on its engine's core.
+                assert set().union(*cores[name].values()) == {own}, cores[name]
+        # The fronts (gRPC, streaming) run anywhere, like the router.
         for name in ("prefill-0", "decode-0", "router"):
             assert all(set(cpus) <= mask for mask in fronts[name].values()), (name, fronts[name])
 
@@ -235,6 +246,10 @@ def test_cluster_places_each_engine_on_cores_of_its_own_with_one_thread_per_core
             assert info.dtype == resolve_dtype("auto"), info
         logs = (tmp_path / "decode-0.log").read_text()
         assert re.search(rf"torch threads: 1 \(from the cpus it may use: cpus {cpus[1]} ", logs), logs
+        lent = re.search(r"cpu lending: own cpus \[(\d+)\], may borrow \[(\d+)\]", logs)
+        assert (lent is not None) == lending, logs
+        if lending:
+            assert lent is not None and (int(lent.group(1)), int(lent.group(2))) == (cpus[1], cpus[0])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

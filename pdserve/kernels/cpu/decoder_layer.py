@@ -243,7 +243,6 @@ class FusedPass:
         self.slots = meta.slot_mapping.to(torch.int64).contiguous()
         self.tables = meta.decode_block_tables.to(torch.int32).contiguous()
         self.lens = meta.decode_seq_lens.to(torch.int32).contiguous()
-        self.threads = torch.get_num_threads()
 
     def run(self, first: int, last: int, hidden: torch.Tensor) -> torch.Tensor:
         """Layers ``first .. last - 1`` over ``hidden`` ``[rows, hidden]`` (not changed): their output."""
@@ -271,7 +270,7 @@ class FusedPass:
             self.tables.data_ptr(),
             self.tables.shape[1],
             self.lens.data_ptr(),
-            self.threads,
+            torch.get_num_threads(),  # read per call: lent cores come and go between layers
         )
         if status != 0:
             raise MemoryError("fused decoder layers: their buffers could not be allocated")
