@@ -10,9 +10,11 @@ exit non-zero naming it.
 Each engine's core process (its model steps and torch threads) is pinned to its own share of the
 cores this command may use (``plan_engine_cpus``; ``--prefill-cpus`` / ``--decode-cpus`` choose
 them, ``--no-cpu-placement`` turns it off), and runs as many torch threads as cores it is given
-(``pdserve.engine.cpu_resources``). The engine's front (gRPC server, token streaming) is not
-pinned, like the router: as vLLM's CPU backend binds only its worker's OpenMP threads. Pinned
-with its core, a decode engine's front spent its ~2 ms of Python a streamed token on the core
+(``pdserve.engine.cpu_resources``); while an engine is idle, the others borrow its cores for
+their steps (``pdserve.engine.cpu_lending``; ``--no-cpu-lending`` turns it off), so a lone
+stream decodes on both cores of a 2-core box and a prompt prefills on both. The engine's front
+(gRPC server, token streaming) is not pinned, like the router: as vLLM's CPU backend binds only
+its worker's OpenMP threads. Pinned with its core, a decode engine's front spent its ~2 ms of Python a streamed token on the core
 whose steps it was streaming, which then waited for it.
 
 The router gets the cluster's API keys (``--api-key``, through its environment, never its
