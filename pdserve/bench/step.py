@@ -27,7 +27,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -91,12 +91,11 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def _projections(model: LlamaForCausalLM) -> list[nn.Linear | PackedLinear | QuantLinear]:
-    """Every decoder projection, in the order a step runs them."""
-    from pdserve.engine.model.llama import LlamaDecoderLayer
-
+    """Every decoder projection, in the order a step runs them (every family's layer has the
+    same four: fused q/k/v, o, fused gate/up, down)."""
     out: list[nn.Linear | PackedLinear | QuantLinear] = []
-    for layer in model.model.layers:
-        assert isinstance(layer, LlamaDecoderLayer)
+    layers: list[Any] = list(model.model.layers)
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             assert isinstance(proj, nn.Linear | PackedLinear | QuantLinear)

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
+    lent: LentThreads | None = None
     try:
         if config.core_cpus is not None:
             pin_process(config.core_cpus)
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
+        if lent is not None:
+            lent.close()  # its cores are lendable again
     return 0
 
 

@@ -104,11 +104,10 @@ class CpuBoard:
             self._busy = busy
 
     def idle_cpus(self) -> list[int]:
-        """The cores of the other engines that are idle now."""
-        own = set(self.own_cpus)
-        return sorted(
-            {cpu for s in self._others if not self._map[self._busy_at[s]] for cpu in self.cpus[s]} - own
-        )
+        """The other engines' cores that no busy engine owns now (engines may share cores when
+        there are more engines than cores)."""
+        busy = {cpu for s in self._others if self._map[self._busy_at[s]] for cpu in self.cpus[s]}
+        return sorted({cpu for s in self._others for cpu in self.cpus[s]} - busy - set(self.own_cpus))
 
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):
@@ -166,5 +165,6 @@ class LentThreads:
         self.board.set_busy(False)
 
     def close(self) -> None:
+        logger.info("cpu lending: %d steps ran on lent cores", self.steps_lent)
         self.board.set_busy(False)
         self.board.close()

@@ -309,9 +309,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=default_quantization(),
         choices=list(QUANTIZATION_CHOICES),
-        help="how the weights are held: auto (the default; $PDSERVE_QUANTIZATION changes it): gguf "
-        "for a GGUF file where the quantized kernels build, on every engine, else none; none (dense "
-        "in --dtype); gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K tensors kept as they are: 5-8.5 bits a "
+        help="how the weights are held: auto (the default; $PDSERVE_QUANTIZATION changes it): for a "
+        "GGUF file where the quantized kernels build, on every engine, gguf-a8 where the CPU has "
+        "AVX512-VNNI and gguf elsewhere, else none; none (dense "
+        "in --dtype); gguf (a GGUF file's blocks kept as they are, every common kind: 4.5-8.5 bits a "
         "weight); int8 (Q8_0 blocks made at load from any checkpoint); gguf-a8 / int8-a8 (the same "
         "weights, the matmuls' activations quantized to int8 per 32). The KV cache stays in --dtype",
     )

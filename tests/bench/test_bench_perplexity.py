@@ -106,6 +106,11 @@ def test_pdserve_scores_each_chunks_second_half_as_a_direct_forward_does(tiny_lo
     assert tally.count == chunking.num_scored == nlls.numel() == 45
     assert tally.nll == pytest.approx(float(nlls.sum()), rel=1e-5)
     assert tally.nll2 == pytest.approx(float((nlls * nlls).sum()), rel=1e-5)
+    # In forward passes of 7 tokens (each attending to the cached ones: how -a8 modes are
+    # measured) the same NLLs, to fp32's rounding.
+    stepped = pdserve_run.evaluate(tiny_loaded, tokens, chunking, forward_tokens=7)
+    assert stepped.count == tally.count
+    assert stepped.nll == pytest.approx(tally.nll, rel=1e-5)
 
 
 class _Tokenizer:

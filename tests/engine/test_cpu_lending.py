@@ -31,6 +31,19 @@ def test_a_board_shows_each_engine_the_others_idle_cores(tmp_path):
     assert prefill.idle_cpus() == []  # its own cores never count
 
 
+def test_a_core_shared_by_two_engines_is_lent_only_while_both_are_idle(tmp_path):
+    path = tmp_path / "board"
+    create_board(path, [[0], [0], [1]])  # 2 prefill engines on core 0, a decode engine on core 1
+    first, second, decode = (CpuBoard(path, slot) for slot in range(3))
+    assert decode.idle_cpus() == [0]
+    first.set_busy(True)
+    assert decode.idle_cpus() == []
+    first.set_busy(False)
+    second.set_busy(True)
+    assert decode.idle_cpus() == []
+    assert first.idle_cpus() == [1]  # its own core is never lent to itself
+
+
 def test_a_board_refuses_what_it_cannot_hold(tmp_path):
     path = tmp_path / "board"
     with pytest.raises(ValueError, match="no cpus"):

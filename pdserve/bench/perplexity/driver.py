@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", default="none", choices=QUANTIZATION_CHOICES, help="pdserve's compared mode"
     )
     p.add_argument("--no-default", action="store_true", help="skip pdserve's default mode (auto/auto)")
+    p.add_argument("--forward-tokens", type=int, default=None,
+                   help="pdserve scores a chunk in forward passes of this many tokens (16: the decode "
+                        "kernels run, as a decode step's; needed to measure -a8 modes; default: one pass)")  # fmt: skip
     p.add_argument("--no-llamacpp", action="store_true", help="pdserve only (no llama.cpp build needed)")
     p.add_argument("--llamacpp-f32", action="store_true",
                    help="also llama.cpp on a float32 copy of each file, with f32 attention and KV cache")  # fmt: skip
@@ -119,7 +122,14 @@ class PdserveRun:
     eval_seconds: float
 
 
-def run_pdserve(path: str, dtype: str, quantization: str, ids: list[int], chunking: Chunking) -> PdserveRun:
+def run_pdserve(
+    path: str,
+    dtype: str,
+    quantization: str,
+    ids: list[int],
+    chunking: Chunking,
+    forward_tokens: int | None = None,
+) -> PdserveRun:
     """Load ``path`` in this mode, score the chunks, and let the model go."""
     from pdserve.engine.model.loader import load_served_model
 
@@ -128,7 +138,7 @@ def run_pdserve(path: str, dtype: str, quantization: str, ids: list[int], chunki
     loaded_at = time.perf_counter()
     mode, weights = str(loaded.dtype).removeprefix("torch."), loaded.weights
     say(f"pdserve {mode} {loaded.quantization} ({weights}): loaded in {loaded_at - start:.1f}s")
-    tally = pdserve_run.evaluate(loaded, ids, chunking, say)
+    tally = pdserve_run.evaluate(loaded, ids, chunking, say, forward_tokens)
     done = time.perf_counter()
     ppl, error = tally.estimate()
     say(f"pdserve {mode} {loaded.quantization}: PPL = {ppl:.4f} +/- {error:.5f} ({done - loaded_at:.1f}s)")
@@ -182,7 +192,7 @@ def measure_model(
     if not args.no_default:
         modes.append(("default", "auto", "auto"))
     for key, dtype, quantization in modes:
-        run = run_pdserve(path, dtype, quantization, ids, chunking)
+        run = run_pdserve(path, dtype, quantization, ids, chunking, args.forward_tokens)
         row[key] = {**asdict(run), "load_seconds": round(run.load_seconds, 2),
                     "eval_seconds": round(run.eval_seconds, 2)}  # fmt: skip
         if "llamacpp" in row:
@@ -217,7 +227,10 @@ def run_llamacpp(label: str, tools: llamacpp_run.Tools, path: str, args: argpars
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.forward_tokens is not None and args.forward_tokens < 1:
+        parser.error(f"--forward-tokens must be positive, got {args.forward_tokens}")
     if args.threads < 1 or args.ctx < 4:
         print("error: --threads must be positive and --ctx at least 4", file=sys.stderr)
         return 2

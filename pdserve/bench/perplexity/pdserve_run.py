@@ -35,16 +35,32 @@ def adds_bos(tokenizer: Tokenizer) -> bool:
     return len(with_special) == len(plain) + 1 and with_special[0] == bos
 
 
-def chunk_nlls(loaded: LoadedModel, ids: Sequence[int], first: int, kv_cache: torch.Tensor) -> torch.Tensor:
+def chunk_nlls(
+    loaded: LoadedModel,
+    ids: Sequence[int],
+    first: int,
+    kv_cache: torch.Tensor,
+    forward_tokens: int | None = None,
+) -> torch.Tensor:
     """``[len(ids) - first - 1]`` float64 NLLs of ``ids[first + 1:]``, each predicted from the
-    tokens before it by one prefill of ``ids`` (``kv_cache``: room for ``len(ids)`` tokens)."""
+    tokens before it by one prefill of ``ids`` (``kv_cache``: room for ``len(ids)`` tokens), or
+    by prefills of ``forward_tokens`` at a time, each attending to the cached ones before it:
+    at 16 or fewer the matmuls run the decode kernels (``KERNEL_MAX_ROWS``), so that modes which
+    differ only there (int8 activations, ``-a8``) are measured as a decode step computes."""
     model = loaded.model
     device = model.model.norm.weight.device
     n = len(ids)
     tokens = torch.tensor(list(ids), dtype=torch.long, device=device)
     positions = torch.arange(n, dtype=torch.long, device=device)
+    step = n if forward_tokens is None else forward_tokens
     with torch.inference_mode():
-        hidden = model(tokens, positions, kv_cache, prefill_metadata(n, BLOCK_SIZE, device))
+        hidden = torch.cat(
+            [
+                model(tokens[s : s + step], positions[s : s + step], kv_cache,
+                      prefill_metadata(min(step, n - s), BLOCK_SIZE, device, start=s))
+                for s in range(0, n, step)
+            ]
+        )  # fmt: skip
         parts = []
         for row in range(first, n - 1, _LOGIT_ROWS):
             stop = min(row + _LOGIT_ROWS, n - 1)
@@ -57,14 +73,17 @@ def evaluate(
     tokens: Sequence[int],
     chunking: Chunking,
     say: Callable[[str], None] | None = None,
+    forward_tokens: int | None = None,
 ) -> NllTally:
-    """The tally of every chunk of ``tokens`` as llama.cpp cuts and scores them."""
+    """The tally of every chunk of ``tokens`` as llama.cpp cuts and scores them (``forward_tokens``:
+    see ``chunk_nlls``)."""
     spec = loaded.arch.kv_cache_spec(BLOCK_SIZE, loaded.dtype)
     kv_cache = spec.allocate(-(-chunking.n_ctx // BLOCK_SIZE), device=loaded.model.model.norm.weight.device)
     tally = NllTally()
     for index in range(chunking.num_chunks):
         start = time.perf_counter()
-        tally.add_chunk(chunk_nlls(loaded, chunk_inputs(tokens, chunking, index), chunking.first, kv_cache))
+        ids = chunk_inputs(tokens, chunking, index)
+        tally.add_chunk(chunk_nlls(loaded, ids, chunking.first, kv_cache, forward_tokens))
         if say is not None:
             say(f"  chunk {index + 1}/{chunking.num_chunks}: running PPL {tally.running_ppl():.4f} "
                 f"({time.perf_counter() - start:.1f}s)")  # fmt: skip

@@ -272,10 +272,17 @@ def _split_groups(
         if not held:
             continue
         if len(held) < len(parts):
+            expanded_bytes = 0
             for part in held:
                 blocks, kind = hf_blocks.pop(part), kinds.pop(part)
+                expanded_bytes += blocks.numel() * blocks.element_size()
                 hf_dense[part] = dequantize_ref(kind, blocks, _in_features(kind, blocks))
-            logger.info("%s: some parts have no kernel, served dense", ", ".join(parts))
+            logger.info(
+                "%s: some parts have no kernel, served dense (%s: %.1f MB of blocks expanded)",
+                ", ".join(parts),
+                ", ".join(held),
+                expanded_bytes / 1e6,
+            )
         elif len({kinds[part] for part in parts}) > 1:
             runs: list[tuple[BlockKind, list[torch.Tensor]]] = []
             for part in parts:
@@ -288,6 +295,32 @@ def _split_groups(
                 (kind, torch.cat(pieces) if len(pieces) > 1 else pieces[0]) for kind, pieces in runs
             ]
     return split
+
+
+# The file types held in --dtype by design (F16 and BF16 are the dense weights themselves).
+FLOAT_TYPES = frozenset(
+    {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+)
+
+
+def log_expanded(expanded: dict[str, list[GGUFTensor]], dtype: torch.dtype) -> None:
+    """One line per quantized kind this load expands to dense weights: its tensors and bytes,
+    in the file and as held. A kind expanded costs memory and the fast decode path, so it is
+    said by name (a kind with no kernel, or no vector kernel on this CPU)."""
+    for kind, tensors in sorted(expanded.items()):
+        file_bytes = sum(t.n_bytes for t in tensors)
+        held_bytes = sum(t.n_elements for t in tensors) * torch.finfo(dtype).bits // 8
+        names = [t.name for t in tensors]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        logger.info(
+            "%s expanded to dense %s: %d tensors (%s), %.1f MB in the file, %.1f MB held",
+            kind,
+            dtype,
+            len(tensors),
+            shown,
+            file_bytes / 1e6,
+            held_bytes / 1e6,
+        )
 
 
 def _in_features(kind: BlockKind, blocks: torch.Tensor) -> int:
@@ -326,10 +359,13 @@ def load_gguf_blocks(
     dense_kinds = [t.name for t in KERNEL_KIND if t not in held_kinds]
     if dense_kinds:
         logger.info("no vector kernels for %s on this CPU (no AVX-512): held dense", ", ".join(dense_kinds))
+    expanded: dict[str, list[GGUFTensor]] = {}  # quantized kind -> its tensors held dense
     for tensor, name in _gguf_tensors(reader, arch):
         rows, in_features = (int(n) for n in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
         if tensor.tensor_type not in held_kinds or not name.endswith(".weight") or rows == 0:
             hf_dense[name] = _dequantized(tensor, name, config, arch)
+            if tensor.tensor_type not in FLOAT_TYPES:
+                expanded.setdefault(tensor.tensor_type.name, []).append(tensor)
             continue
         kind, blocks = to_kernel_blocks(tensor.tensor_type, tensor.data, rows, in_features)
         heads = _qk_heads(name, config) if arch.permuted_qk else None
@@ -337,6 +373,7 @@ def load_gguf_blocks(
             blocks = permute_block_rows(blocks, unpermute_qk(np.arange(rows), heads))
         hf_blocks[name], kinds[name] = blocks, kind
     split = _split_groups(hf_blocks, kinds, hf_dense, config)
+    log_expanded(expanded, torch_dtype)
     fused_kinds = {name: kinds[parts[0]] for name, parts in _fused_names(config) if parts[0] in hf_blocks}
     block_state: BlockState = {
         name: (fused_kinds[name] if name in fused_kinds else kinds[name], blocks)

@@ -134,10 +134,16 @@ def k_route() -> bool:
     return available() and bool(library().pd_quant_k_route())
 
 
+def int8_dot_route() -> bool:
+    """True when int8 activations run native int8 dot products here (AVX512-VNNI's vpdpbusd): the
+    CPUs where ``-a8`` is the default (``loader.resolve_quantization``)."""
+    return available() and bool(library().pd_repack_a8_route())
+
+
 def x16_route() -> bool:
     """True when the interleaved kinds run a vector kernel here (AVX512-VNNI), so that the loader
     interleaves only where that pays (elsewhere their plain C loop is correct, and slow)."""
-    return available() and bool(library().pd_repack_a8_route())
+    return int8_dot_route()
 
 
 def bf16_x16_route() -> bool:

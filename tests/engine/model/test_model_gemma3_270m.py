@@ -9,9 +9,10 @@ a batch budget of 512 tokens splits them into chunked prefills.
 
 * fp32, dense (``--quantization none``): greedy tokens equal transformers' (``generate``, fp32).
 * the default ``--quantization auto`` (every Q8_0, Q5_0, Q4_K and Q6_K tensor held as the file
-  stores it, in at most 1.05x the file's tensor bytes): greedy agreement with, and perplexity
-  against, the fp32 reference on its first 1,024 scored tokens (one window: the sliding layers
-  see 512 of them).
+  stores it, in at most 1.05x the file's tensor bytes; int8 activations where the CPU has VNNI):
+  greedy agreement with, and perplexity against, the fp32 reference on its first 1,024 scored
+  tokens (one window: the sliding layers see 512 of them; in chunks of 16 with int8
+  activations, so that the decode kernels run).
 
 About a minute on 2 cores, half of it transformers dequantizing the file.
 """
@@ -19,13 +20,16 @@ About a minute on 2 cores, half of it transformers dequantizing the file.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 
 import pytest
 import torch
 
 from pdserve.bench.common.hf_reference import load_transformers_reference
 from pdserve.engine.model.gguf_loader import load_gguf_blocks, open_gguf
+from pdserve.engine.model.layers.quant_linear import KERNEL_MAX_ROWS
 from pdserve.engine.request import SamplingParams
 from pdserve.kernels.cpu.quant import BlockKind
 from tests.helpers import quality
@@ -115,9 +119,13 @@ def test_default_quantization_tracks_fp32(path, fp32_llm, prompts, text_ids):
     """The file's blocks as served by default, against the fp32 dense reference: prefill
     chunks decode the blocks for the same GEMM, so the perplexity is the file's own; greedy
     decode steps run the block kernels, summing in another order."""
+    from pdserve.kernels.cpu import quant as cpu_quant
+
     default = _llm(path, "auto")
     weights = default.engine.loaded.weights
-    assert default.engine.loaded.quantization == "gguf"
+    # Int8 activations where the CPU has VNNI (loader.resolve_quantization)
+    served = "gguf-a8" if cpu_quant.int8_dot_route() else "gguf"
+    assert default.engine.loaded.quantization == served
     assert all(kind in weights for kind in ("Q8_0", "Q5_0", "Q4_K", "Q6_K")), weights
     file_bytes = sum(t.n_bytes for t in open_gguf(path).tensors)
     held = default.engine.loaded.weight_bytes
@@ -130,7 +138,10 @@ def test_default_quantization_tracks_fp32(path, fp32_llm, prompts, text_ids):
     agreement = quality.greedy_agreement(reference, candidate)
     scored = text_ids[: WINDOW + 1]
     ppl_fp32 = quality.perplexity(fp32_llm.engine.loaded, scored, window=WINDOW)
-    ppl_default = quality.perplexity(default.engine.loaded, scored, window=WINDOW)
+    # Int8 activations are quantized in the decode kernels only: then the perplexity is taken in
+    # chunks those kernels take, as decode steps run them.
+    chunk = KERNEL_MAX_ROWS if served.endswith("-a8") else None
+    ppl_default = quality.perplexity(default.engine.loaded, scored, window=WINDOW, chunk=chunk)
     change = ppl_default.increase_over(ppl_fp32)
     print(
         f"gemma3-270m: ppl fp32 {ppl_fp32.ppl:.4f}, default {ppl_default.ppl:.4f} ({change:+.3%}); "
@@ -140,17 +151,25 @@ def test_default_quantization_tracks_fp32(path, fp32_llm, prompts, text_ids):
     assert agreement.mean_first_divergence >= MIN_MEAN_FIRST_DIVERGENCE
 
 
-def test_without_vector_kernels_for_its_kinds_they_are_held_dense(path, monkeypatch):
+def test_without_vector_kernels_for_its_kinds_they_are_held_dense(path, monkeypatch, caplog):
     """On a CPU without AVX-512 the kinds held as GGUF stores them would run plain C loops (30-80x
     slower): the loader keeps those tensors dense, as before they had kernels, and the Q8_0 ones
     as blocks."""
     from pdserve.kernels.cpu import quant as cpu_quant
 
     monkeypatch.setattr(cpu_quant, "k_route", lambda: False)
-    _, dense, blocks = load_gguf_blocks(path, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.model.gguf_loader"):
+        _, dense, blocks = load_gguf_blocks(path, torch.bfloat16)
     held = {part[0] for value in blocks.values() for part in (value if isinstance(value, list) else [value])}
     assert held == {BlockKind.Q8_0}
     assert "model.layers.0.mlp.down_proj.weight" in dense  # Q5_0 or Q6_K in the file
+    # Each kind expanded is said by name, with its tensors and its bytes in the file and held.
+    said = {m.group(1): m for m in re.finditer(
+        r"(Q\w+) expanded to dense torch.bfloat16: (\d+) tensors \((blk\.\S+)[^)]*\), ([\d.]+) MB in the file, "
+        r"([\d.]+) MB held", caplog.text)}  # fmt: skip
+    assert {"Q4_K", "Q5_0", "Q6_K"} <= set(said), caplog.text
+    for match in said.values():
+        assert int(match.group(2)) >= 1 and 0 < float(match.group(4)) < float(match.group(5))
     monkeypatch.setattr(cpu_quant, "k_route", lambda: True)
     _, _, blocks = load_gguf_blocks(path, torch.bfloat16)
     held = {part[0] for value in blocks.values() for part in (value if isinstance(value, list) else [value])}

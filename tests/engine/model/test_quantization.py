@@ -201,11 +201,14 @@ def test_auto_serves_a_gguf_files_blocks_where_the_kernels_build(tiny_model_dir,
     monkeypatch.delenv("PDSERVE_QUANTIZATION", raising=False)
     assert ModelConfig().quantization == "auto"
     gguf_path = bundled_model_path()
-    assert resolve_quantization("auto", gguf_path) == "gguf"
-    assert resolve_quantization("auto", None) == "gguf"  # None: the bundled GGUF
-    assert resolve_quantization("auto", gguf_path, "consumer") == "gguf"
-    assert resolve_quantization("auto", gguf_path, "producer") == "gguf"
-    assert resolve_quantization("auto", tiny_model_dir) == "none"
+    # Int8 activations where the CPU has VNNI (chosen by measurement: see resolve_quantization).
+    for vnni, want in ((True, "gguf-a8"), (False, "gguf")):
+        monkeypatch.setattr(cpu_quant, "int8_dot_route", lambda vnni=vnni: vnni)
+        assert resolve_quantization("auto", gguf_path) == want
+        assert resolve_quantization("auto", None) == want  # None: the bundled GGUF
+        assert resolve_quantization("auto", gguf_path, "consumer") == want
+        assert resolve_quantization("auto", gguf_path, "producer") == want
+        assert resolve_quantization("auto", tiny_model_dir) == "none"
     for explicit in ("none", "gguf", "int8"):
         assert resolve_quantization(explicit, gguf_path, "producer") == explicit
     monkeypatch.setattr(cpu_quant, "available", lambda: False)
