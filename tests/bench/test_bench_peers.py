@@ -135,6 +135,13 @@ def test_load_points_name_themselves_and_give_the_clients_flags():
     assert LoadPoint.open(2.0, 32).client_args() == ["--num-prompts", "32", "--request-rate", "2"]
     args = driver.build_parser().parse_args(["--num-prompts-c1", "0", "--rates", "1", "4"])
     assert [lp.name for lp in driver.load_points(args)] == ["c8", "r1", "r4"]
+    # More streams (how throughput holds as load grows): prompts in proportion to the streams.
+    args = driver.build_parser().parse_args(["--streams", "32", "64", "8", "--num-prompts-rate", "0"])
+    points = driver.load_points(args)
+    assert [(lp.name, lp.num_prompts, lp.max_concurrency) for lp in points] == [
+        ("c1", 16, 1), ("c8", 64, 8), ("c32", 256, 32), ("c64", 512, 64)
+    ]  # fmt: skip
+    assert driver.llamacpp_slots(args, points, None)[0] == 64  # a llama.cpp slot for every stream
 
 
 def test_ratios_compare_each_setup_with_vllm_in_the_same_repeat_and_load():

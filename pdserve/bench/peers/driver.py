@@ -99,6 +99,9 @@ def load_points(args: argparse.Namespace) -> list[LoadPoint]:
         points.append(LoadPoint.closed(1, args.num_prompts_c1))
     if args.num_prompts_c8 > 0:
         points.append(LoadPoint.closed(8, args.num_prompts_c8))
+    for streams in dict.fromkeys(args.streams):  # more closed loops: 32, 64 streams ...
+        if streams not in (1, 8):
+            points.append(LoadPoint.closed(streams, streams * args.prompts_per_stream))
     if args.num_prompts_rate > 0:
         points += [LoadPoint.open(rate, args.num_prompts_rate) for rate in args.rates]
     return points
@@ -207,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (EOS ignored)")
     p.add_argument("--num-prompts-c1", type=int, default=16, help="prompts at 1 stream (0: skip)")
     p.add_argument("--num-prompts-c8", type=int, default=64, help="prompts at 8 streams (0: skip)")
+    p.add_argument("--streams", type=int, nargs="*", default=[],
+                   help="more closed loops after 1 and 8 streams (--streams 32 64: how throughput "
+                        "holds as load grows), each with --prompts-per-stream prompts a stream")  # fmt: skip
+    p.add_argument("--prompts-per-stream", type=int, default=8,
+                   help="prompts a stream at each --streams point (default 8, as 64 at 8 streams)")  # fmt: skip
     p.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="req/s of the open loops")
     p.add_argument("--num-prompts-rate", type=int, default=32, help="prompts per rate (0: skip the rates)")
     p.add_argument("--warmup-prompts", type=int, default=4, help="sent at once before the runs, not measured")
@@ -308,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     setups = list(dict.fromkeys(args.setups))
     if min(args.input_len, args.output_len, args.repeats) < 1 or any(r <= 0 for r in args.rates):
         print("error: --input-len, --output-len, --repeats and every rate must be positive", file=sys.stderr)
+        return 2
+    if any(n < 1 for n in args.streams) or args.prompts_per_stream < 1:
+        print("error: every --streams count and --prompts-per-stream must be positive", file=sys.stderr)
         return 2
     scenario = LongScenario.from_args(args) if args.scenario == long_scenario.SCENARIO else None
     if scenario is not None and (problem := scenario.problem()):
