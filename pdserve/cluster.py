@@ -10,9 +10,9 @@ exit non-zero naming it.
 Each engine's core process (its model steps and torch threads) is pinned to its own share of the
 cores this command may use (``plan_engine_cpus``; ``--prefill-cpus`` / ``--decode-cpus`` choose
 them, ``--no-cpu-placement`` turns it off), and runs as many torch threads as cores it is given
-(``pdserve.engine.cpu_resources``); while an engine is idle, the others borrow its cores for
-their steps (``pdserve.engine.cpu_lending``; ``--no-cpu-lending`` turns it off), so a lone
-stream decodes on both cores of a 2-core box and a prompt prefills on both. The engine's front
+(``pdserve.engine.cpu_resources``); on a 2-core machine, while an engine is idle the other
+borrows its core for its steps (``pdserve.engine.cpu_lending``; ``--no-cpu-lending`` turns it
+off), so a lone stream decodes on both cores and a prompt prefills on both. The engine's front
 (gRPC server, token streaming) is not pinned, like the router: as vLLM's CPU backend binds only
 its worker's OpenMP threads. Pinned with its core, a decode engine's front spent its ~2 ms of Python a streamed token on the core
 whose steps it was streaming, which then waited for it.
@@ -74,6 +74,10 @@ __all__ = [
 
 ENGINE_ROLES = ("prefill", "decode")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+# Core lending (pdserve.engine.cpu_lending) is on where the engines' cores are at most this many.
+MAX_LENDING_CPUS = 2
 
 
 def split_cpus(cpus: Sequence[int], count: int) -> list[list[int]]:
@@ -319,10 +323,24 @@ class LocalCluster:
             for i in range(n)
         ]
         engine_cpus = [self.cpus.get(name) for name in names]
-        if self.lend_cpus and len(names) > 1 and all(engine_cpus):
-            self.cpu_board = os.path.join(self.log_dir, "cpu-board")
-            create_board(self.cpu_board, [list(cpus or ()) for cpus in engine_cpus])
-            self._board_slots = {name: slot for slot, name in enumerate(names)}
+        all_cpus = {cpu for cpus in engine_cpus for cpu in cpus or ()}
+        if self.lend_cpus and len(all_cpus) > MAX_LENDING_CPUS:
+            # libgomp lets the workers beyond a smaller team exit and makes new ones from the
+            # main thread, pinned to its engine's own cores: with teams of more than 2 threads
+            # a lent pool would shrink onto its own cores. Until workers are placed as they are
+            # made, lending is for the 2-core machines it was measured on.
+            self.progress(
+                f"no core lending between the engines: it is for {MAX_LENDING_CPUS} cores, not {len(all_cpus)}"
+            )
+        elif self.lend_cpus and len(names) > 1 and all(engine_cpus):
+            board = os.path.join(self.log_dir, "cpu-board")
+            try:
+                create_board(board, [list(cpus or ()) for cpus in engine_cpus])
+            except ValueError as exc:  # cpus beyond the board's bitmap
+                self.progress(f"no core lending between the engines: {exc}")
+            else:
+                self.cpu_board = board
+                self._board_slots = {name: slot for slot, name in enumerate(names)}
         try:
             for wave in (names, ["router"]):
                 self.supervisor.start(

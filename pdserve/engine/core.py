@@ -172,6 +172,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        if self.lent_threads is not None:
+            # Busy only while a step computes: a step of no tokens (transfers in flight) lends.
+            if self.last_step_num_tokens:
+                self.lent_threads.begin_step()
+            else:
+                self.lent_threads.idle()
         self._step_output = scheduler_output
         try:
             runner_output = self.runner.execute_model(scheduler_output)
@@ -291,18 +297,15 @@ class EngineCore:
                     lent.idle()
                 self.publish_kv_events()  # an abort or a reset changed the cache; or a snapshot
                 continue
-            if lent is not None:
-                if self.scheduler.has_requests():
-                    lent.begin_step()
-                else:
-                    lent.idle()  # only held blocks to watch
             self._stepping = True
             try:
                 outputs = self.step()
             finally:
                 self._stepping = False
-            if lent is not None and self.last_step_num_tokens == 0:
-                lent.idle()  # only transfers in flight
+            if lent is not None and (self.last_step_num_tokens == 0 or not self.scheduler.has_requests()):
+                # Nothing to compute until an input or a transfer arrives (the last request
+                # finished, or only KV pulls are in flight): lend the cores while waiting.
+                lent.idle()
             self.publish_kv_events()
             if outputs:
                 emit(outputs)

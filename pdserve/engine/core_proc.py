@@ -157,19 +157,30 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_json(sys.stdin.read())  # see core_client.spawn_core
     server = None
     lent: LentThreads | None = None
+    board: CpuBoard | None = None
     try:
         if config.core_cpus is not None:
             pin_process(config.core_cpus)
         # Before any torch work: threads sized to this process's CPUs, not the machine's.
         threads = configure_torch_threads(config.threads)
-        lent = LentThreads(CpuBoard(config.cpu_board, config.cpu_board_slot)) if config.cpu_board else None
+        if config.cpu_board:
+            try:
+                board = CpuBoard(config.cpu_board, config.cpu_board_slot)
+            except (OSError, ValueError) as exc:
+                logger.error("cpu board %s unusable, so no core lending: %s", config.cpu_board, exc)
+        if board is not None:
+            board.set_busy(True)  # loading and warming up: its cores are not lendable yet
         try:
             core = build_engine_core(config)
         except (UnsupportedModelError, UnsupportedTokenizerError) as exc:
             # A model this engine cannot serve is one line, not a traceback of the loader.
             logger.error("cannot serve %s: %s", config.model.path or "the bundled model", exc)
             return 1
-        core.lent_threads = lent
+        if board is not None:
+            # After the load, so that it ran on the engine's own threads alone.
+            lent = LentThreads(board, threads)
+            lent.idle()  # loaded: lendable until its first step
+            core.lent_threads = lent
         if config.kv_events is not None:
             core.attach_kv_events(
                 KVEventPublisher(
@@ -205,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
         if lent is not None:
             lent.close()  # its cores are lendable again
+        elif board is not None:
+            board.set_busy(False)
+            board.close()
     return 0
 
 

@@ -17,7 +17,11 @@ nothing is locked, and a stale read costs one step's placement, never correctnes
 
 Thread placement: the core process's main thread stays on its own cores; torch's pool threads
 (OpenMP workers) may run on the own and the lendable cores, and Linux puts a woken worker on the
-idle one. The pool is made at start-up at its largest size, so every worker exists to be placed.
+idle one. The pool is made after the model's load at its largest size, so every worker exists to
+be placed. libgomp lets the workers beyond a smaller team exit and makes new ones from the main
+thread (so on its own cores only); a team of one leaves the pool alone, so on 2 cores (teams of
+1 or 2) the placement holds, and ``pdserve cluster`` lends cores only there (``MAX_LENDING_CPUS``)
+until new workers are placed as they are made.
 """
 
 from __future__ import annotations
@@ -117,16 +121,18 @@ class CpuBoard:
 class LentThreads:
     """Sizes this process's torch threads to its own cores plus the idle engines' ones."""
 
-    def __init__(self, board: CpuBoard) -> None:
+    def __init__(self, board: CpuBoard, own_threads: int | None = None) -> None:
         import torch
 
         self.board = board
         self._torch = torch
         own, lendable = board.own_cpus, board.lendable_cpus
-        self.own_threads = len(own)
+        # The engine's own thread count (configure_torch_threads: --threads, OMP_NUM_THREADS or
+        # the cpus it may use), default one a core; borrowed cores add one each.
+        self.own_threads = own_threads or len(own)
         # Make the pool at its largest now, so every worker exists to be allowed onto the other
         # cores; the main thread (and what it starts later) stays on the own ones.
-        torch.set_num_threads(len(own) + len(lendable))
+        torch.set_num_threads(self.own_threads + len(lendable))
         torch.ones(1 << 20).add_(1)  # a parallel op starts the pool
         main = os.getpid()
         for task in os.listdir("/proc/self/task"):

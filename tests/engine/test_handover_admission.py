@@ -354,3 +354,61 @@ def test_no_join_takes_the_block_a_running_request_needs_next(four_layer_loaded)
     assert core.scheduler.num_preemptions == 0
     assert len(tokens_of(script, "remote")) == 5 and len(tokens_of(script, "busy")) == 6
     assert_idle_and_no_leak(core.scheduler)
+
+
+class RecordingLender:
+    """Stands in for ``LentThreads``: what the busy loop told the cpu board, in order."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.calls: list[str] = []
+
+    def begin_step(self) -> int:
+        self.calls.append("busy")
+        return 1
+
+    def idle(self) -> None:
+        self.calls.append("idle")
+
+    def apply(self) -> int:
+        self.calls.append("apply")
+        return 1
+
+
+def test_an_engine_is_busy_only_while_a_step_computes_and_lends_its_cores_otherwise(tiny_loaded):
+    """Core lending's contract with the busy loop: busy for every step that computes tokens (and
+    the step re-checks the board between layers); idle while only a KV pull is in flight, and as
+    soon as its last request finishes, before the loop waits for input."""
+    core, connector, script = make_core(tiny_loaded)
+    lender = RecordingLender(core)
+    core.lent_threads = lender  # type: ignore[assignment]
+    waits: list[tuple[float | None, str]] = []  # (receive's timeout, the last thing said then)
+    receive = script.receive
+
+    def recorded_receive(timeout: float | None) -> list[Any]:
+        if not core._stepping:
+            waits.append((timeout, lender.calls[-1] if lender.calls else ""))
+        return receive(timeout)
+
+    script.at_top = [[remote_request("remote", 32, 3)]]  # a decode request: pull first, then steps
+    landed_after = 3  # zero-token steps while the pull is in flight
+
+    def land(step: int) -> None:
+        if step == landed_after:
+            connector.land("remote")
+
+    script.on_step_end.append(land)
+    core.run_busy_loop(recorded_receive, script.emit, script.should_stop)
+
+    assert sum(len(o.new_token_ids) for _, o in script.outputs if o.request_id == "remote") == 3
+    # Every step marks the board before it runs: idle while it has no tokens (the pull), busy for
+    # each of the decode steps that compute the tokens.
+    marks = [c for c in lender.calls if c != "apply"]
+    assert marks[: landed_after + 1] == ["idle"] * (landed_after + 1)
+    assert marks.count("busy") == 3
+    assert "apply" in lender.calls  # between layers, the board is read again
+    # Idle before any wait for input once the request is done: its cores are lent meanwhile.
+    assert marks[-1] == "idle"
+    # ("": nothing said yet, the state the engine process starts its loop in: idle.)
+    assert all(said in ("idle", "") or timeout == 0.0 for timeout, said in waits), waits
+    assert_idle_and_no_leak(core.scheduler)

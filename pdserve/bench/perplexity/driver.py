@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "bound": args.bound,
         "compared_mode": {"dtype": args.dtype, "quantization": args.quantization},
+        "forward_tokens": args.forward_tokens,  # None: each chunk in one forward pass
         "models": rows,
     }
     save_json(args.json or default_path("perplexity", "json"), payload)
