@@ -302,9 +302,9 @@ class EngineCore:
                 outputs = self.step()
             finally:
                 self._stepping = False
-            if lent is not None and (self.last_step_num_tokens == 0 or not self.scheduler.has_requests()):
-                # Nothing to compute until an input or a transfer arrives (the last request
-                # finished, or only KV pulls are in flight): lend the cores while waiting.
+            if lent is not None and not self.scheduler.has_requests():
+                # The last request finished: lend the cores while waiting for input (a step of
+                # no tokens, only KV pulls in flight, marked itself idle in step()).
                 lent.idle()
             self.publish_kv_events()
             if outputs:

@@ -8,7 +8,6 @@ so a killed front never leaves a core holding memory.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
 from pdserve.engine.cpu_lending import CpuBoard, LentThreads
-from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list
+from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list, pin_threads
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.model.arch import UnsupportedModelError
 from pdserve.engine.model.gguf_tokenizer import UnsupportedTokenizerError
@@ -126,9 +125,7 @@ def pin_process(cpus: list[int]) -> None:
     """Pin every thread of this process to ``cpus``: the ones started by imports already (the
     mask is per thread), and through the main thread's mask every one started later (torch's
     pool, ZMQ's I/O thread)."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(task), cpus)
+    pin_threads(cpus)
     os.sched_setaffinity(0, cpus)
 
 
@@ -168,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 board = CpuBoard(config.cpu_board, config.cpu_board_slot)
             except (OSError, ValueError) as exc:
                 logger.error("cpu board %s unusable, so no core lending: %s", config.cpu_board, exc)
-        if board is not None:
-            board.set_busy(True)  # loading and warming up: its cores are not lendable yet
+            else:
+                board.set_busy(True)  # loading and warming up: its cores are not lendable yet
         try:
             core = build_engine_core(config)
         except (UnsupportedModelError, UnsupportedTokenizerError) as exc:

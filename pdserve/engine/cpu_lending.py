@@ -34,6 +34,8 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.engine.cpu_resources import pin_threads
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PDCPUBRD"
@@ -84,6 +86,8 @@ class CpuBoard:
         self.cpus = [self._cpus_of(s) for s in range(slots)]
         self._busy_at = [_slot_offset(s) + BUSY_OFFSET for s in range(slots)]
         self._others = [s for s in range(slots) if s != slot]
+        # Every other engine's cores: the most this engine may ever borrow (read per step).
+        self._lendable = frozenset(cpu for s in self._others for cpu in self.cpus[s]) - set(self.cpus[slot])
         self._busy = False
         self._map[self._busy_at[slot]] = 0
 
@@ -99,7 +103,7 @@ class CpuBoard:
     @property
     def lendable_cpus(self) -> list[int]:
         """Every other engine's cores: the most this engine may ever borrow."""
-        return sorted({cpu for s in self._others for cpu in self.cpus[s]} - set(self.own_cpus))
+        return sorted(self._lendable)
 
     def set_busy(self, busy: bool) -> None:
         """Mark this engine busy (its cores are not lendable) or idle; a write only on change."""
@@ -111,7 +115,7 @@ class CpuBoard:
         """The other engines' cores that no busy engine owns now (engines may share cores when
         there are more engines than cores)."""
         busy = {cpu for s in self._others if self._map[self._busy_at[s]] for cpu in self.cpus[s]}
-        return sorted({cpu for s in self._others for cpu in self.cpus[s]} - busy - set(self.own_cpus))
+        return sorted(self._lendable - busy)
 
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):
@@ -134,11 +138,7 @@ class LentThreads:
         # cores; the main thread (and what it starts later) stays on the own ones.
         torch.set_num_threads(self.own_threads + len(lendable))
         torch.ones(1 << 20).add_(1)  # a parallel op starts the pool
-        main = os.getpid()
-        for task in os.listdir("/proc/self/task"):
-            if int(task) != main:
-                with contextlib.suppress(ProcessLookupError, OSError):
-                    os.sched_setaffinity(int(task), [*own, *lendable])
+        pin_threads([*own, *lendable], but_main=True)
         self.threads = 0
         self.steps_lent = 0  # steps that ran on borrowed cores, for the log
         self.apply()

@@ -15,6 +15,7 @@ An engine that guesses wrong here loses most of its speed without failing:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -114,6 +115,16 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/s
                 if quota_us > 0 and period_us > 0:
                     limits.append(quota_us / period_us)
     return min(limits) if limits else None
+
+
+def pin_threads(cpus: list[int], *, but_main: bool = False) -> None:
+    """Pin every thread this process has now to ``cpus`` (the mask is per thread), the main
+    thread too unless ``but_main``; a thread that ends meanwhile is skipped."""
+    main = os.getpid()
+    for task in os.listdir("/proc/self/task"):
+        if not (but_main and int(task) == main):
+            with contextlib.suppress(ProcessLookupError, OSError):
+                os.sched_setaffinity(int(task), cpus)
 
 
 @dataclass(frozen=True)
