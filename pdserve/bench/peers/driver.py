@@ -64,6 +64,7 @@ from pdserve.bench.peers import llamacpp, long_report, long_scenario, side_venv
 from pdserve.bench.peers.client import Context, client_argv, log_tail, random_dataset, run_client
 from pdserve.bench.peers.foreign_load import ForeignLoad
 from pdserve.bench.peers.long_scenario import MAX_WARMUP_PROMPTS, LongScenario
+from pdserve.bench.peers.process_cpu import ProcessCpu
 from pdserve.bench.peers.report import (
     LLAMACPP,
     LoadPoint,
@@ -121,7 +122,8 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     argv = client_argv(
         ctx, setup, base_url, model_name, dataset, load.client_args(), seed, result_dir, f"{tag}.json"
     )
-    with ForeignLoad(servers) as foreign:  # other work on the machine during the run
+    # other work on the machine during the run, and each server process's own CPU time
+    with ForeignLoad(servers) as foreign, ProcessCpu(servers) as cpu:
         code = run_client(ctx, argv, log_path, f"{setup} {load.name}")
     if code != 0 or not os.path.exists(result_path):
         tail = log_tail(log_path)
@@ -130,7 +132,15 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     else:
         with open(result_path) as f:
             row = parse_result(json.load(f), setup, repeat, load)
-    return {**row, "seed": seed, "other_cores": foreign.cores}
+    per_token = cpu.us_per_token(row.get("out_tokens"))
+    return {
+        **row,
+        "seed": seed,
+        "other_cores": foreign.cores,
+        "cpu_s": cpu.seconds,
+        "cpu_us_per_token": per_token,
+        "outside_engines_us_per_token": (per_token or {}).get("outside_engines"),
+    }
 
 
 def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint],

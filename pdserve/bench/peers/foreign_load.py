@@ -14,6 +14,8 @@ import os
 import time
 from collections.abc import Iterable
 
+from pdserve.bench.peers.process_cpu import proc_stats, session_pids
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -25,26 +27,10 @@ def _busy_ticks() -> int:
 
 
 def _session_ticks(sessions: set[int]) -> int:
-    """CPU ticks used by the live processes of ``sessions``, and by every descendant of their
-    leaders (``pdserve cluster`` starts each engine in a session of its own), including the
+    """CPU ticks used by the live processes of ``sessions`` and their descendants, including the
     children they reaped."""
-    stats: dict[int, list[str]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                # After "pid (comm)": state ppid pgrp session ... utime(11) stime cutime cstime.
-                stats[int(name)] = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-    ours = {pid for pid, fields in stats.items() if int(fields[3]) in sessions} | set(sessions)
-    grew = True
-    while grew:  # descendants, whatever session they lead
-        added = {pid for pid, fields in stats.items() if pid not in ours and int(fields[1]) in ours}
-        ours |= added
-        grew = bool(added)
-    return sum(sum(int(v) for v in stats[pid][11:15]) for pid in ours if pid in stats)
+    stats = proc_stats()
+    return sum(sum(int(v) for v in stats[pid][11:15]) for pid in session_pids(stats, sessions))
 
 
 def _own_seconds() -> float:

@@ -29,6 +29,7 @@ RESULT_KEYS = {
     "tpot_ms_p50": "median_tpot_ms",
     "e2el_ms_p50": "median_e2el_ms",
     "out_tok_per_s": "output_throughput",
+    "out_tokens": "total_output_tokens",
     "req_per_s": "request_throughput",
     "max_concurrent_requests": "max_concurrent_requests",
 }
@@ -46,7 +47,7 @@ LLAMACPP_RATIOS = {key.replace("_vs_vllm", "_vs_llamacpp"): metric for key, metr
 # A run during which work not ours kept more cores than this busy on average is flagged.
 BUSY_ELSEWHERE_CORES = 0.25
 SPREAD_METRICS = ("ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50", "out_tok_per_s", *RATIOS, *LLAMACPP_RATIOS)
-_COUNTS = ("completed", "failed", "max_concurrent_requests")  # kept as the client's integers
+_COUNTS = ("completed", "failed", "max_concurrent_requests", "out_tokens")  # kept as the client's integers
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ TABLE_COLUMNS = {  # {title: row key}
     "tok/s ÷ llama.cpp": "tok_s_vs_llamacpp",
     "ITL ÷ llama.cpp": "itl_vs_llamacpp",
     "TTFT ÷ llama.cpp": "ttft_vs_llamacpp",
+    # CPU of pdserve's router, engine fronts and supervisor per streamed token (process_cpu)
+    "outside µs/tok": "outside_engines_us_per_token",
     "other cores": "other_cores",  # busy with work not ours during the run (pdserve.bench.peers.foreign_load)
 }
 
@@ -213,7 +216,17 @@ def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> No
             [fmt_cell(row.get(key)) for key in columns.values()] for row in rows if row["repeat"] == repeat
         ]
         print_rich_table(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(columns), body)
+    print_cpu_per_token(rows)
     print_row_warnings(rows, lambda row: f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}")
+
+
+def print_cpu_per_token(rows: Sequence[dict[str, Any]]) -> None:
+    """Each run's CPU microseconds per streamed token by server process role (process_cpu)."""
+    for row in rows:
+        per = row.get("cpu_us_per_token")
+        if per:
+            roles = ", ".join(f"{role} {us:,.0f}" for role, us in per.items())
+            print(f"  cpu us/token, {row['setup']} {row['load']} repeat {row['repeat'] + 1}: {roles}")
 
 
 def print_row_warnings(rows: Sequence[dict[str, Any]], name: Callable[[dict[str, Any]], str]) -> None:
