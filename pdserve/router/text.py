@@ -5,12 +5,15 @@ The router owns text: engines see only token ids. A delta never ends inside a UT
 token completes it). With stop strings, the text ends just before the first match (or after it,
 with ``include_stop_str_in_output``) and, while streaming, the last ``len(longest stop) - 1``
 characters are held back so that a stop string split across tokens never reaches the client
-in part — what vLLM's detokenizer does.
+in part — what vLLM's detokenizer does. Tokens are decoded incrementally (tokenizers'
+``DecodeStream``, as vLLM's fast detokenizer), so a token costs the same at any output length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from tokenizers.decoders import DecodeStream
 
 from pdserve.engine.model.tokenizer import Tokenizer
 
@@ -30,6 +33,8 @@ class TextStream:
         # Characters that may be the start of a stop string and so are not sent yet.
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self.text = ""  # the text of token_ids as decoded so far (all of it once final)
         self.sent = 0  # characters of the full text already sent
         self.scanned = 0  # stop strings were searched for in full[:scanned]
         self.matched_stop: str | None = None
@@ -40,9 +45,17 @@ class TextStream:
         if self.matched_stop is not None:
             return ""
         self.token_ids.extend(new_ids)
-        full = self.tokenizer.decode(self.token_ids)
-        if not final and full.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 character: wait for the token that completes it
+        if final:
+            # The whole text once (a character still incomplete shows as U+FFFD); what was
+            # streamed is always its prefix.
+            full = self.tokenizer.decode(self.token_ids)
+        else:
+            # Incremental: only the new tokens are decoded (None while a UTF-8 character is
+            # incomplete), not the whole output again at every token.
+            piece = self._decoder.step(self.tokenizer.backend, list(new_ids)) if new_ids else None
+            if piece:
+                self.text += piece
+            full = self.text
         end = len(full)
         if self.stop:
             # As in vLLM, stop strings count only once min_tokens tokens were generated.
