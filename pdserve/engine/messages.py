@@ -198,9 +198,17 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
+@functools.cache
+def _shape(hint: Any) -> tuple[Any, tuple[Any, ...], bool]:
+    """A field type's origin, arguments and whether it is a dataclass: worked out once per type
+    (the front decodes every step's outputs)."""
+    is_dataclass = isinstance(hint, type) and dataclasses.is_dataclass(hint)
+    return typing.get_origin(hint), typing.get_args(hint), is_dataclass
+
+
 def _convert(value: Any, hint: Any, where: str) -> Any:
     """``value`` as ``hint`` asks (nested dataclasses built, sequences as lists or tuples)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    origin, args, is_dataclass = _shape(hint)
     if hint is Any:
         return value
     if origin in (types.UnionType, typing.Union):
@@ -214,7 +222,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             except ValueError:
                 pass
         raise ValueError(f"{where}: {value!r} is not {hint}")
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+    if is_dataclass:
         return _build(hint, value, where)
     if origin in (list, tuple, Sequence):
         _expect(isinstance(value, list | tuple), value, hint, where)
