@@ -484,8 +484,8 @@ def test_decode_engine_killed_mid_stream_is_resumed_on_the_other_with_the_same_t
 
 class _ShuttingDownDecodeEngine(engine_pb2_grpc.EngineServicer):
     """A decode engine as a router sees it in the instant its gRPC server stops after a
-    drain: health says SERVING (the router has not polled since), but every Generate gets
-    CANCELLED, the status gRPC gives a call that arrives while its server shuts down."""
+    drain: health says SERVING (the router has not polled since), but every call (Generate,
+    Session) gets CANCELLED, the status gRPC gives a call that arrives while its server shuts down."""
 
     def __init__(self, real_address: str) -> None:
         self.real = grpc.insecure_channel(real_address)
@@ -498,6 +498,11 @@ class _ShuttingDownDecodeEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2_grpc.EngineStub(self.real).Stats(request, timeout=10)
 
     def Generate(self, request, context):
+        self.generate_calls += 1
+        context.abort(grpc.StatusCode.CANCELLED, "Server shutdown")
+
+    def Session(self, request_iterator, context):  # the router's way in: as Generate
+        next(request_iterator)
         self.generate_calls += 1
         context.abort(grpc.StatusCode.CANCELLED, "Server shutdown")
 

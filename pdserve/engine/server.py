@@ -37,8 +37,10 @@ from pdserve.config import (
 )
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
 from pdserve.engine.cpu_resources import allowed_cpus, parse_cpu_list
+from pdserve.engine.front_session import FrontSession
 from pdserve.engine.metrics import EngineMetrics
-from pdserve.engine.request import validate_prompt
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import SamplingParams, validate_prompt
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.wire import engine_stats_to_proto, kv_params_from_proto, kv_params_to_proto, sampling_from_proto
 
@@ -63,12 +65,23 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.vocab_size = core.info.vocab_size
         self.max_model_len = core.info.max_model_len
         self.draining = False  # SIGTERM: refuse new requests, finish the running ones
+        self.sessions: set[FrontSession] = set()  # open Session streams (a drain ends them)
 
-    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
-        front_events = {"front_received": time.time()}  # sent with the first message
+    def start_draining(self) -> None:
+        """Refuse new requests from now on; a session with nothing left running ends, so that
+        the server can stop without waiting for its grace period."""
+        self.draining = True
+        for session in self.sessions:
+            session.wake.set()
+
+    def _validate(
+        self, request: engine_pb2.EngineGenerateRequest
+    ) -> tuple[str, list[int], SamplingParams, dict | None]:
+        """The request's id, prompt, sampling and KV params; ``_Refused`` when it cannot run
+        here (draining, bad input, an id already running)."""
         if self.draining:
             # The router marks this engine down and sends the request elsewhere.
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} engine {self.address} is draining")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"{self.role} engine {self.address} is draining")
         request_id = request.request_id or f"eng-{uuid.uuid4().hex}"
         prompt = list(request.prompt_token_ids)
         try:
@@ -76,13 +89,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             sampling.validate(self.vocab_size)
             validate_prompt(prompt, self.max_model_len, self.vocab_size, sampling.num_prior_output_tokens)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if self.core.has_stream(request_id):
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running"
-            )
-        kv_params = kv_params_from_proto(request.kv_transfer_params)
-        queue = self.core.open_stream(request_id)
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
+        return request_id, prompt, sampling, kv_params_from_proto(request.kv_transfer_params)
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext):
+        front_events = {"front_received": time.time()}  # sent with the first message
+        try:
+            request_id, prompt, sampling, kv_params = self._validate(request)
+        except _Refused as exc:
+            await context.abort(exc.code, exc.message)
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self.core.open_stream(request_id, queue)
         finished = False
         try:
             await self.core.add_request(request_id, prompt, sampling, kv_params, request.priority)
@@ -98,15 +117,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.metrics.observe_output(output)
                 timeline = {**front_events, **(output.timeline or {})}
                 front_events = {}
-                yield engine_pb2.EngineGenerateResponse(
-                    request_id=request_id,
-                    token_ids=output.new_token_ids,
-                    finish_reason=output.finish_reason or "",
-                    kv_transfer_params=kv_params_to_proto(output.kv_transfer_params),
-                    num_cached_tokens=output.num_cached_tokens,
-                    num_prefix_hit_tokens=output.num_prefix_hit_tokens,
-                    timeline=timeline,
-                )
+                yield _response(output, timeline)
                 if finished:
                     logger.info("%s: finished (%s)", request_id, output.finish_reason)
                     return
@@ -119,6 +130,93 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 logger.info("%s: cancelled by the caller, aborting", request_id)
                 with contextlib.suppress(EngineCoreError):
                     await self.core.abort([request_id])
+
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext):
+        """Requests and aborts in; each step's outputs of all of them out as one message
+        (``front_session``). Each request behaves as a ``Generate`` call: the same checks and
+        status codes (as a ``RequestError``), and the same abort when the stream ends first."""
+        session = FrontSession()
+        self.sessions.add(session)
+        reader = asyncio.create_task(self._read_session(request_iterator, session))
+        try:
+            while True:
+                await session.wake.wait()
+                outputs, errors = session.take()
+                if outputs or errors:
+                    yield self._session_response(session, outputs, errors)
+                if (reader.done() or self.draining) and not session.requests:
+                    if reader.done():
+                        reader.result()  # a failed read ends the stream with its error
+                    return  # the router closed its side (or a drain) and nothing is left to answer
+        finally:
+            self.sessions.discard(session)
+            reader.cancel()
+            left = list(session.requests)
+            for request_id in left:
+                self.core.close_stream(request_id)
+            if left:
+                # The router went away (or cancelled the stream): free the requests' blocks.
+                logger.info("session closed with %d requests running, aborting: %s", len(left), left)
+                with contextlib.suppress(EngineCoreError):
+                    await self.core.abort(left)
+
+    async def _read_session(self, request_iterator: Any, session: FrontSession) -> None:
+        try:
+            async for message in request_iterator:
+                if message.WhichOneof("kind") == "generate":
+                    await self._start_in_session(message.generate, session)
+                elif message.WhichOneof("kind") == "abort_request_id":
+                    request_id = message.abort_request_id
+                    if session.requests.pop(request_id, None) is not None:
+                        self.core.close_stream(request_id)
+                        logger.info("%s: aborted by the router", request_id)
+                        with contextlib.suppress(EngineCoreError):
+                            await self.core.abort([request_id])
+        finally:
+            session.wake.set()  # the writer checks whether the session is over
+
+    async def _start_in_session(
+        self, request: engine_pb2.EngineGenerateRequest, session: FrontSession
+    ) -> None:
+        try:
+            request_id, prompt, sampling, kv_params = self._validate(request)
+        except _Refused as exc:
+            session.refuse(request.request_id, exc.code.value[0], exc.message)
+            return
+        session.add(request_id)
+        self.core.open_stream(request_id, session)
+        try:
+            await self.core.add_request(request_id, prompt, sampling, kv_params, request.priority)
+        except EngineCoreError as exc:
+            self.core.close_stream(request_id)
+            session.fail(request_id, grpc.StatusCode.UNAVAILABLE.value[0], f"engine core unavailable: {exc}")
+            return
+        logger.info("%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params))
+
+    def _session_response(
+        self, session: FrontSession, outputs: list[EngineCoreOutput], errors: list[engine_pb2.RequestError]
+    ) -> engine_pb2.SessionResponse:
+        response = engine_pb2.SessionResponse(errors=errors)
+        for output in outputs:
+            request_id = output.request_id
+            if output.finish_reason == "error":
+                code, message = _error_status(str(output.stop_reason))
+                self.core.close_stream(request_id)
+                session.requests.pop(request_id, None)
+                response.errors.append(
+                    engine_pb2.RequestError(request_id=request_id, code=code.value[0], message=message)
+                )
+                continue
+            self.metrics.observe_output(output)
+            events = session.requests[request_id]
+            timeline = {**events, **(output.timeline or {})} if events else output.timeline
+            session.requests[request_id] = {}
+            response.outputs.append(_response(output, timeline))
+            if output.finished:
+                self.core.close_stream(request_id)
+                del session.requests[request_id]
+                logger.info("%s: finished (%s)", request_id, output.finish_reason)
+        return response
 
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         found = self.core.has_stream(request.request_id)
@@ -160,6 +258,29 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
 
+class _Refused(Exception):
+    """A request this engine will not run, with the status to end it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _response(
+    output: EngineCoreOutput, timeline: dict[str, float] | None
+) -> engine_pb2.EngineGenerateResponse:
+    return engine_pb2.EngineGenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        finish_reason=output.finish_reason or "",
+        kv_transfer_params=kv_params_to_proto(output.kv_transfer_params),
+        num_cached_tokens=output.num_cached_tokens,
+        num_prefix_hit_tokens=output.num_prefix_hit_tokens,
+        timeline=timeline,
+    )
+
+
 def _error_status(reason: str) -> tuple[grpc.StatusCode, str]:
     if reason == "kv_load_failed":
         # Not UNAVAILABLE: this engine is fine, the request's remote KV is what was lost.
@@ -195,7 +316,7 @@ async def drain(
     """Leave the rotation at once (health NOT_SERVING, new requests UNAVAILABLE), then wait
     until nothing runs, waits or is held for a remote reader (a prefill's leases end when
     decode has pulled the blocks, or expire), for at most ``timeout_s``."""
-    servicer.draining = True
+    servicer.start_draining()
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     logger.info("draining (at most %.0fs): NOT_SERVING, new requests refused", timeout_s)

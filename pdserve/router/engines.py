@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.discovery import EngineSource, Resolver, grpc_address
+from pdserve.router.engine_session import EngineSession
 from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -46,6 +47,8 @@ class EngineHandle:
     channel: grpc.aio.Channel = field(repr=False)
     stub: engine_pb2_grpc.EngineStub = field(repr=False)
     health: health_pb2_grpc.HealthStub = field(repr=False)
+    # The one Session stream its requests share (opened at the first one).
+    session: EngineSession = field(init=False, repr=False)
     healthy: bool = False
     info: engine_pb2.EngineInfo | None = None
     in_flight: int = 0  # requests the router has running on this engine
@@ -57,6 +60,9 @@ class EngineHandle:
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
     # Called when the engine goes down (the pool drops its KV index entries).
     on_down: Callable[[EngineHandle], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.session = EngineSession(self.stub, self.address)
 
     def remember_blocks(self, block_hashes: list) -> None:
         for block_hash in block_hashes:
@@ -116,11 +122,12 @@ class EnginePool:
             ("grpc.max_reconnect_backoff_ms", int(HEALTH_INTERVAL_S * 1000)),
         ]
         channel = grpc.aio.insecure_channel(address, options=options)
+        stub = engine_pb2_grpc.EngineStub(channel)
         engine = EngineHandle(
             role=role,
             address=address,
             channel=channel,
-            stub=engine_pb2_grpc.EngineStub(channel),
+            stub=stub,
             health=health_pb2_grpc.HealthStub(channel),
             on_down=self._engine_gone,
         )
@@ -183,6 +190,7 @@ class EnginePool:
             logger.info("%s engine %s dropped from the pool", engine.role, engine.address)
             self.engines.remove(engine)
             self._engine_gone(engine)
+            await engine.session.close()
             await engine.channel.close()
 
     async def check(self, engine: EngineHandle) -> None:
@@ -243,4 +251,5 @@ class EnginePool:
         if self.kv_events is not None:
             self.kv_events.close()
         for engine in self.engines:
+            await engine.session.close()
             await engine.channel.close()

@@ -26,6 +26,7 @@ import grpc
 from pdserve.engine.kv_cache import hash_request_blocks
 from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.engine.request import SamplingParams, validate_prompt
+from pdserve.router.engine_session import SessionStream
 from pdserve.router.engines import EngineHandle, EnginePool
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -473,11 +474,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             engine.in_flight += 1
             self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
             produced = False
+            call: SessionStream | None = None
             prefilling = local_prefill  # until its first message
             if prefilling:
                 engine.local_prefills += 1
             try:
-                call = engine.stub.Generate(
+                # On the engine's Session stream (one message a step for all of this router's
+                # requests there), iterated as a Generate call would be, with its status codes.
+                call = engine.session.open(
                     engine_pb2.EngineGenerateRequest(
                         request_id=live.request_id,
                         prompt_token_ids=tokens,
@@ -486,7 +490,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         kv_transfer_params=kv,
                         num_prior_output_tokens=sampling.num_prior_output_tokens,
                     ),
-                    timeout=timeout,
+                    timeout,
                 )
                 live.calls.append(call)
                 async for message in call:
@@ -542,6 +546,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     code, f"{role} engine {engine.address}: {exc.details()}", resumable=resumable
                 ) from None
             finally:
+                if call is not None:
+                    call.close()  # left early (the caller closed this stage): the engine aborts it
                 if prefilling:
                     engine.local_prefills -= 1
                 engine.in_flight -= 1

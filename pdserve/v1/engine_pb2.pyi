@@ -50,6 +50,32 @@ class EngineGenerateResponse(_message.Message):
     num_prefix_hit_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., timeline: _Optional[_Mapping[str, float]] = ..., num_prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("generate", "abort_request_id")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    generate: EngineGenerateRequest
+    abort_request_id: str
+    def __init__(self, generate: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("outputs", "errors")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[EngineGenerateResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineGenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

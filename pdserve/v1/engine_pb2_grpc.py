@@ -41,6 +41,11 @@ class EngineStub:
                 request_serializer=pdserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdserve.v1.Engine/Session',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Engine/Abort',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,15 @@ class EngineServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests over one long-lived stream, as the router uses it: requests and aborts in,
+        each engine step's outputs for all of them out as one message (vLLM's engine core streams
+        its outputs to the API server the same way). Ending the stream aborts what it still runs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -93,6 +107,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.SessionRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__pb2.SessionResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -138,6 +157,33 @@ class Engine:
             '/pdserve.v1.Engine/Generate',
             pdserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Engine/Session',
+            pdserve_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+            pdserve_dot_v1_dot_engine__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

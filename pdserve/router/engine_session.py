@@ -1,0 +1,179 @@
+"""The router's end of an engine's ``Session`` stream: many requests over one gRPC call.
+
+One ``Generate`` call per request costs a gRPC message per request per token on both ends; a
+session carries every request this router runs on the engine, and the engine answers each step
+with one message for all of them (``pdserve.engine.front_session``). Each request still looks
+like a call of its own to the request path (``RouterServicer._stream_stage``): a
+``SessionStream`` is iterated for its messages, ``cancel()`` ends it (the engine aborts it), it
+ends at its deadline with DEADLINE_EXCEEDED, and a refusal or failure raises the
+``grpc.aio.AioRpcError`` a ``Generate`` call would have raised: the same status codes, so
+retries, resumes and aborts are decided as before.
+
+The call opens at the first request and opens again after it fails (an engine restart, a
+drain's end): requests on a failed call fail UNAVAILABLE, which the request path retries or
+resumes elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+_CANCELLED = object()  # put in a stream's queue by cancel()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a ``Generate`` call would have ended with."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class SessionStream:
+    """One request's messages from an engine's session, iterated like a server-streaming call."""
+
+    def __init__(self, call: _SessionCall, request_id: str, deadline: float) -> None:
+        self._call = call
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False  # finished, failed or aborted: the engine holds nothing for it
+        # One timer for the whole request (not one per message): at the deadline, end it.
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        if not self.done:
+            self.close()
+            self.queue.put_nowait(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def finish(self) -> None:
+        """It ended on the engine's side (or never started there): nothing to abort."""
+        self.done = True
+        self._timer.cancel()
+
+    def cancel(self) -> None:
+        """Stop now: the iterator raises CancelledError and the engine aborts the request."""
+        self.queue.put_nowait(_CANCELLED)
+        self.close()
+
+    def close(self) -> None:
+        """Leave the session; a request that has not finished is aborted on the engine."""
+        self._timer.cancel()
+        if not self.done:
+            self.done = True
+            self._call.abort(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        while True:
+            item = await self.queue.get()
+            if item is _CANCELLED:
+                raise asyncio.CancelledError()
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            yield item
+            if item.finish_reason:
+                return
+
+
+class _SessionCall:
+    """One Session call and the streams of the requests sent on it."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub, address: str) -> None:
+        self.address = address
+        self.outbox: asyncio.Queue[engine_pb2.SessionRequest | None] = asyncio.Queue()
+        self.streams: dict[str, SessionStream] = {}
+        self.failed = False
+        self.call = stub.Session(self._requests())
+        self.reader = asyncio.create_task(self._read(), name=f"session-{address}")
+
+    async def _requests(self) -> AsyncIterator[engine_pb2.SessionRequest]:
+        while (message := await self.outbox.get()) is not None:
+            yield message
+
+    def open(self, request: engine_pb2.EngineGenerateRequest, deadline: float) -> SessionStream:
+        stream = SessionStream(self, request.request_id, deadline)
+        if request.request_id in self.streams:
+            stream.finish()
+            stream.queue.put_nowait(
+                rpc_error(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running"
+                )
+            )
+            return stream
+        self.streams[request.request_id] = stream
+        self.outbox.put_nowait(engine_pb2.SessionRequest(generate=request))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is not None and not self.failed:
+            self.outbox.put_nowait(engine_pb2.SessionRequest(abort_request_id=request_id))
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"engine {self.address} ended the session")
+        try:
+            async for response in self.call:
+                for output in response.outputs:
+                    stream = self.streams.get(output.request_id)
+                    if stream is None:
+                        continue  # aborted meanwhile
+                    if output.finish_reason:
+                        del self.streams[output.request_id]
+                        stream.finish()
+                    stream.queue.put_nowait(output)
+                for failure in response.errors:
+                    stream = self.streams.pop(failure.request_id, None)
+                    if stream is not None:
+                        stream.finish()
+                        code = _STATUS_BY_VALUE.get(failure.code, grpc.StatusCode.UNKNOWN)
+                        stream.queue.put_nowait(rpc_error(code, failure.message))
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the session")
+            raise
+        finally:
+            self.failed = True
+            if self.streams:
+                logger.warning(
+                    "session with engine %s ended (%s) with %d requests: failing them",
+                    self.address,
+                    error.code().name,
+                    len(self.streams),
+                )
+            for stream in self.streams.values():
+                stream.finish()
+                stream.queue.put_nowait(error)
+            self.streams.clear()
+
+    async def close(self) -> None:
+        self.outbox.put_nowait(None)
+        self.call.cancel()
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await self.reader
+
+
+class EngineSession:
+    """The router's session with one engine: ``open`` a request's stream on it."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub, address: str) -> None:
+        self.stub = stub
+        self.address = address
+        self._call: _SessionCall | None = None
+
+    def open(self, request: engine_pb2.EngineGenerateRequest, timeout: float) -> SessionStream:
+        """Send ``request``; its messages arrive on the stream returned, until ``timeout`` s."""
+        if self._call is None or self._call.failed:
+            self._call = _SessionCall(self.stub, self.address)
+        return self._call.open(request, asyncio.get_running_loop().time() + timeout)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            await self._call.close()
+            self._call = None

@@ -1,0 +1,145 @@
+"""The engine's Session RPC, as the router uses it: many requests over one stream, each step's
+outputs in one message, refusals and aborts per request, and a closed stream freeing its
+requests' blocks. Real processes (``LocalCluster`` on the tiny model), driven by a raw gRPC
+client so that what goes over the wire is what is checked.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import defaultdict
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from pdserve.cluster import LocalCluster
+from pdserve.engine.request import SamplingParams
+from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tests.helpers.cluster import TINY_ENGINE_ARGS, is_idle, next_within, wait_idle
+from tests.helpers.text_corpus import prompts_of_lengths
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    with LocalCluster(1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster.router_address) as c:
+        yield c
+
+
+class _Session:
+    """A Session call on one engine: ``send`` requests or aborts, iterate its messages."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.outbox: queue.Queue = queue.Queue()
+        self.call = engine_pb2_grpc.EngineStub(self.channel).Session(
+            iter(self.outbox.get, None), timeout=TIMEOUT_S
+        )
+        self.messages: Iterator[engine_pb2.SessionResponse] = iter(self.call)
+
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = engine_pb2.EngineGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+        )
+        self.outbox.put(engine_pb2.SessionRequest(generate=request))
+
+    def abort(self, request_id: str) -> None:
+        self.outbox.put(engine_pb2.SessionRequest(abort_request_id=request_id))
+
+    def next(self) -> engine_pb2.SessionResponse:
+        return next_within(self.messages, TIMEOUT_S)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.channel.close()
+
+
+def _collect(session: _Session, request_ids: set[str]) -> tuple[dict[str, list[int]], dict[str, tuple], list]:
+    """Read until every request in ``request_ids`` finished or failed: {id: tokens}, {id: (code,
+    message)} (of every request seen meanwhile) and the messages read."""
+    tokens: dict[str, list[int]] = defaultdict(list)
+    errors: dict[str, tuple] = {}
+    messages = []
+    finished: set[str] = set()
+    while not request_ids <= finished | set(errors):
+        message = session.next()
+        messages.append(message)
+        for output in message.outputs:
+            tokens[output.request_id].extend(output.token_ids)
+            if output.finish_reason:
+                finished.add(output.request_id)
+        for error in message.errors:
+            errors[error.request_id] = (error.code, error.message)
+    return tokens, errors, messages
+
+
+def test_one_session_carries_many_requests_one_message_a_step_with_generate_tokens(cluster, client, tiny_llm):
+    prompts = prompts_of_lengths(tiny_llm.tokenizer, [20, 37, 52, 64])
+    expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    session = _Session(cluster.decode_addresses[0])
+    try:
+        ids = {f"session-a-{i}" for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            session.generate(f"session-a-{i}", prompt, 12)
+        tokens, errors, messages = _collect(session, ids)
+    finally:
+        session.close()
+    assert not errors
+    assert [tokens[f"session-a-{i}"] for i in range(len(prompts))] == [c.token_ids for c in expected]
+    # Decode steps of the four requests together: one message carries several requests' tokens.
+    assert max(len(m.outputs) for m in messages) >= 2
+    assert len(messages) < sum(len(m.outputs) for m in messages)
+    # The first message of each request carries the front's and the core's life-cycle events.
+    firsts = {}
+    for m in messages:
+        for o in m.outputs:
+            firsts.setdefault(o.request_id, o)
+    assert all("front_received" in o.timeline for o in firsts.values())
+    assert all(is_idle(s) for s in wait_idle(client))
+
+
+def test_a_session_refuses_and_aborts_each_request_on_its_own(cluster, client, tiny_llm):
+    good, long = prompts_of_lengths(tiny_llm.tokenizer, [30, 40])
+    session = _Session(cluster.decode_addresses[0])
+    try:
+        session.generate("session-b-long", long, 500)
+        session.generate("session-b-empty", [], 4)  # no prompt
+        session.generate("session-b-long", good, 4)  # an id already running there
+        session.generate("session-b-good", good, 4)
+        tokens, errors, _ = _collect(session, {"session-b-empty", "session-b-good"})
+        assert errors["session-b-empty"][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "prompt" in errors["session-b-empty"][1]
+        assert len(tokens["session-b-good"]) == 4
+        # The refused duplicate did not touch the running request: it still streams, until aborted.
+        assert errors["session-b-long"][0] == grpc.StatusCode.ALREADY_EXISTS.value[0]
+        while len(tokens["session-b-long"]) < 8:
+            message = session.next()
+            assert not message.errors
+            tokens["session-b-long"] += [t for o in message.outputs for t in o.token_ids]
+        session.abort("session-b-long")
+        assert all(is_idle(s) for s in wait_idle(client)), "the aborted request still holds blocks"
+    finally:
+        session.close()
+
+
+def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(cluster, client, tiny_llm):
+    prompts = prompts_of_lengths(tiny_llm.tokenizer, [45, 55, 65])
+    session = _Session(cluster.decode_addresses[0])
+    try:
+        for i, prompt in enumerate(prompts):
+            session.generate(f"session-c-{i}", prompt, 800)
+        first = session.next()
+        assert first.outputs and not first.errors
+    finally:
+        session.close()  # the router went away with three requests running
+    assert all(is_idle(s) for s in wait_idle(client)), "a closed session left blocks allocated"
