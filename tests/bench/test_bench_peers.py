@@ -449,3 +449,31 @@ def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_ins
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_the_sustained_rate_is_the_highest_rate_within_the_slo_and_says_if_the_sweep_found_it(capsys):
+    from pdserve.bench.peers.report import print_sustained_rates, sustained_rates
+
+    def row(setup: str, rate: float, ttft_p99: float, itl_p99: float, failed: int = 0) -> dict:
+        load = LoadPoint.open(rate, 40)
+        return {**failed_row(setup, 0, load, ""), "completed": 40 - failed, "failed": failed, "error": None,
+                "ttft_ms_p99": ttft_p99, "itl_ms_p99": itl_p99}  # fmt: skip
+
+    rows = [
+        row("vllm", 2, 900, 60), row("vllm", 4, 2500, 90), row("vllm", 8, 9000, 300),
+        row("default-cluster", 2, 300, 20), row("default-cluster", 4, 400, 30),
+        row("default-cluster", 8, 1900, 101),  # ITL p99 just out
+        row("colocated", 2, 300, 20), row("colocated", 4, 300, 20, failed=1), row("colocated", 8, 300, 20),
+        {**failed_row("vllm", 0, LoadPoint.closed(8, 32), ""), "completed": 32, "failed": 0},  # not open loop
+    ]  # fmt: skip
+    entries = {e["setup"]: e for e in sustained_rates(rows)}
+    assert set(entries) == {"vllm", "default-cluster", "colocated"}
+    assert entries["vllm"]["max_rate_in_slo"] == 2 and entries["vllm"]["saturated"]
+    assert (
+        entries["default-cluster"]["max_rate_in_slo"] == 4 and entries["default-cluster"]["rate_vs_vllm"] == 2
+    )
+    # A failed request breaks the SLO; the highest rate kept is the answer, not saturated above it.
+    assert entries["colocated"]["max_rate_in_slo"] == 8 and not entries["colocated"]["saturated"]
+    assert entries["colocated"]["rates"] == [2, 4, 8]
+    print_sustained_rates(list(entries.values()))
+    assert "kept every rate" in capsys.readouterr().out

@@ -75,7 +75,9 @@ from pdserve.bench.peers.report import (
     plot,
     print_repeat_tables,
     print_spread,
+    print_sustained_rates,
     spread_by_load,
+    sustained_rates,
 )
 from pdserve.bench.peers.servers import (
     DEFAULT_GGUF_ENGINE_ARGS,
@@ -430,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         print_repeat_tables(rows, machine_line(machine))
         spreads = spread_by_load(rows)
         print_spread(spreads, args.repeats)
+        slo_rates = sustained_rates(rows)
+        print_sustained_rates(slo_rates)
     else:
+        slo_rates = []
         rows = add_ratios(rows, ratios_of=long_report.RATIOS)
         rows = add_ratios(rows, baseline=LLAMACPP, ratios_of=long_report.LLAMACPP_RATIOS)
         spreads = spread_by_load(rows, long_report.SPREAD_METRICS)
@@ -458,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall_s,
         "rows": rows,
         "spread": spreads,
+        "slo_rates": slo_rates if scenario is None else None,
     }
     json_path = args.json or default_path("peers" if scenario is None else "peers_long", "json")
     save_json(json_path, payload)

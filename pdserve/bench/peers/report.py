@@ -24,8 +24,10 @@ RESULT_KEYS = {
     "duration_s": "duration",
     "ttft_ms_p50": "median_ttft_ms",
     "ttft_ms_p90": "p90_ttft_ms",
+    "ttft_ms_p99": "p99_ttft_ms",
     "itl_ms_p50": "median_itl_ms",
     "itl_ms_p90": "p90_itl_ms",
+    "itl_ms_p99": "p99_itl_ms",
     "tpot_ms_p50": "median_tpot_ms",
     "e2el_ms_p50": "median_e2el_ms",
     "out_tok_per_s": "output_throughput",
@@ -218,6 +220,63 @@ def print_repeat_tables(rows: Sequence[dict[str, Any]], machine_line: str) -> No
         print_rich_table(f"repeat {repeat + 1}/{len(repeats)} — {machine_line}", list(columns), body)
     print_cpu_per_token(rows)
     print_row_warnings(rows, lambda row: f"{row['setup']} {row['load']} repeat {row['repeat'] + 1}")
+
+
+# The latency bounds an open-loop rate must keep to count as sustained (issue 42): every
+# request done, time to first token p99 and inter-token latency p99 within these.
+SLO_TTFT_P99_MS = 2000.0
+SLO_ITL_P99_MS = 100.0
+
+
+def meets_slo(row: dict[str, Any]) -> bool:
+    """Every request of the run completed, with TTFT p99 and ITL p99 within the SLO."""
+    ttft, itl = row.get("ttft_ms_p99"), row.get("itl_ms_p99")
+    return (
+        not row.get("failed")
+        and row.get("completed") == row.get("num_prompts")
+        and ttft is not None
+        and itl is not None
+        and ttft <= SLO_TTFT_P99_MS
+        and itl <= SLO_ITL_P99_MS
+    )
+
+
+def sustained_rates(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setup and repeat, the open-loop sweep read against the SLO: the highest request rate
+    kept, and whether a higher rate swept broke it (saturated: the sweep found the limit; not
+    saturated: the setup kept even the highest rate swept, so its limit lies above), with the
+    ratio to vLLM's in the same repeat."""
+    out: list[dict[str, Any]] = []
+    keys = sorted(
+        {(r["setup"], r["repeat"]) for r in rows if r.get("request_rate")}, key=lambda k: (k[1], k[0])
+    )
+    for setup, repeat in keys:
+        runs = sorted((r for r in rows if (r["setup"], r["repeat"]) == (setup, repeat) and r.get("request_rate")),
+                      key=lambda r: r["request_rate"])  # fmt: skip
+        kept = [r["request_rate"] for r in runs if meets_slo(r)]
+        best = max(kept, default=None)
+        broken_above = any(not meets_slo(r) and (best is None or r["request_rate"] > best) for r in runs)
+        out.append({"setup": setup, "repeat": repeat, "max_rate_in_slo": best, "saturated": broken_above,
+                    "rates": [r["request_rate"] for r in runs]})  # fmt: skip
+    for entry in out:
+        base = next((e for e in out if e["setup"] == BASELINE and e["repeat"] == entry["repeat"]), None)
+        ratio = None
+        if base is not None and base["max_rate_in_slo"] and entry["max_rate_in_slo"] is not None:
+            ratio = entry["max_rate_in_slo"] / base["max_rate_in_slo"]
+        entry["rate_vs_vllm"] = ratio
+    return out
+
+
+def print_sustained_rates(entries: Sequence[dict[str, Any]]) -> None:
+    if not entries:
+        return
+    body = [[e["setup"], str(e["repeat"] + 1),
+             fmt_cell(e["max_rate_in_slo"]) + ("" if e["saturated"] else " (kept every rate)"),
+             fmt_cell(e["rate_vs_vllm"]), " ".join(f"{r:g}" for r in e["rates"])] for e in entries]  # fmt: skip
+    title = (
+        f"highest open-loop rate with TTFT p99 <= {SLO_TTFT_P99_MS:g} ms and ITL p99 <= {SLO_ITL_P99_MS:g} ms"
+    )
+    print_rich_table(title, ["setup", "repeat", "req/s", "÷ vLLM", "rates swept"], body, min_width=100)
 
 
 def print_cpu_per_token(rows: Sequence[dict[str, Any]]) -> None:
