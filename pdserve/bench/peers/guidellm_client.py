@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.bench.peers.report import RESULT_KEYS, LoadPoint
+from pdserve.bench.peers.report import RESULT_KEYS, LoadPoint, row_head
 from pdserve.bench.peers.side_venv import run_logged
 
 GUIDELLM_SPEC = "guidellm==0.8.1"
@@ -86,15 +86,7 @@ def parse_guidellm(report: dict[str, Any], setup: str, repeat: int, load: LoadPo
     benchmark = report["benchmarks"][0]
     metrics = benchmark["metrics"]
     totals = metrics["request_totals"]
-    row: dict[str, Any] = {
-        "setup": setup,
-        "repeat": repeat,
-        "load": load.name,
-        "max_concurrency": load.max_concurrency,
-        "request_rate": load.request_rate,
-        "num_prompts": load.num_prompts,
-        **dict.fromkeys(RESULT_KEYS),
-    }
+    row: dict[str, Any] = {**row_head(setup, repeat, load), **dict.fromkeys(RESULT_KEYS)}
     duration = float(benchmark["duration"])
     out_tokens = _stat(metrics, "output_token_count", "total_sum")
     row.update(

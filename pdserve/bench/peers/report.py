@@ -79,9 +79,9 @@ class LoadPoint:
         return argv
 
 
-def parse_result(result: dict[str, Any], setup: str, repeat: int, load: LoadPoint) -> dict[str, Any]:
-    """One row from a ``vllm bench serve`` result JSON (a metric it lacks is None)."""
-    row: dict[str, Any] = {
+def row_head(setup: str, repeat: int, load: LoadPoint) -> dict[str, Any]:
+    """What every row of a client run starts with: which setup, repeat and load it measured."""
+    return {
         "setup": setup,
         "repeat": repeat,
         "load": load.name,
@@ -89,6 +89,11 @@ def parse_result(result: dict[str, Any], setup: str, repeat: int, load: LoadPoin
         "request_rate": load.request_rate,
         "num_prompts": load.num_prompts,
     }
+
+
+def parse_result(result: dict[str, Any], setup: str, repeat: int, load: LoadPoint) -> dict[str, Any]:
+    """One row from a ``vllm bench serve`` result JSON (a metric it lacks is None)."""
+    row = row_head(setup, repeat, load)
     for key, source in RESULT_KEYS.items():
         value = result.get(source)
         row[key] = float(value) if isinstance(value, int | float) and key not in _COUNTS else value
