@@ -199,6 +199,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         response = engine_pb2.SessionResponse(errors=errors)
         for output in outputs:
             request_id = output.request_id
+            if request_id not in session.requests:
+                # Ended earlier in this batch (a step's outputs can follow its final or error
+                # output when several core messages were read at once): nothing more to send.
+                continue
             if output.finish_reason == "error":
                 code, message = _error_status(str(output.stop_reason))
                 self.core.close_stream(request_id)
@@ -207,8 +211,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     engine_pb2.RequestError(request_id=request_id, code=code.value[0], message=message)
                 )
                 continue
-            self.metrics.observe_output(output)
             events = session.requests[request_id]
+            self.metrics.observe_output(output)
             timeline = {**events, **(output.timeline or {})} if events else output.timeline
             session.requests[request_id] = {}
             response.outputs.append(_response(output, timeline))

@@ -143,3 +143,43 @@ def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(cluster, c
     finally:
         session.close()  # the router went away with three requests running
     assert all(is_idle(s) for s in wait_idle(client)), "a closed session left blocks allocated"
+
+
+def test_outputs_after_a_requests_last_one_in_the_same_batch_are_dropped_not_fatal():
+    """Several core messages read at once can put a step's output after its request's final (or
+    error) output, as when a client reuses the id of a request it just cancelled: the session
+    sends the final one and drops the rest; it must not fail (and with it every request the
+    router runs on this engine)."""
+    from pdserve.engine.front_session import FrontSession
+    from pdserve.engine.outputs import EngineCoreOutput
+    from pdserve.engine.server import EngineServicer
+
+    closed: list[str] = []
+
+    class Core:
+        def close_stream(self, request_id: str) -> None:
+            closed.append(request_id)
+
+    class Metrics:
+        def observe_output(self, output) -> None:
+            pass
+
+    servicer = object.__new__(EngineServicer)
+    servicer.core, servicer.metrics = Core(), Metrics()
+    session = FrontSession()
+    session.add("a")
+    session.add("b")
+    for output in (
+        EngineCoreOutput("a", [], finish_reason="abort"),
+        EngineCoreOutput("a", [7]),
+        EngineCoreOutput("b", [], finish_reason="error", stop_reason="engine core died"),
+        EngineCoreOutput("b", [8], finish_reason="length"),
+    ):
+        session.put_nowait(output)
+    outputs, errors = session.take()
+    response = servicer._session_response(session, outputs, errors)
+    assert [(o.request_id, list(o.token_ids), o.finish_reason) for o in response.outputs] == [
+        ("a", [], "abort")
+    ]
+    assert [(e.request_id, e.code) for e in response.errors] == [("b", grpc.StatusCode.UNAVAILABLE.value[0])]
+    assert sorted(closed) == ["a", "b"] and not session.requests
