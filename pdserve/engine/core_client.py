@@ -398,16 +398,13 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
 
     # ------------------------------------------------------------------ requests
 
-    def open_stream(self, request_id: str, sink: OutputSink | None = None) -> OutputSink:
-        """Route ``request_id``'s outputs to ``sink`` (default: a new queue of its own). A sink
-        shared by many requests (a router's Session) gets each step's outputs in one call of
-        the loop, one ``put_nowait`` each, with no await between them."""
+    def open_stream(self, request_id: str, sink: OutputSink) -> None:
+        """Route ``request_id``'s outputs to ``sink`` (a Generate call's queue). A sink shared by
+        many requests (a router's Session) gets each step's outputs in one call of the loop, one
+        ``put_nowait`` each, with no await between them."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if sink is None:
-            sink = asyncio.Queue()
         self._streams[request_id] = sink
-        return sink
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

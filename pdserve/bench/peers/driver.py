@@ -121,8 +121,9 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     result_dir = os.path.join(ctx.log_dir, "results")
     result_path = os.path.join(result_dir, f"{tag}.json")
     log_path = os.path.join(ctx.log_dir, f"client-{tag}.log")
-    if ctx.guidellm is not None and dataset is None:
-        argv = guidellm_argv(ctx.guidellm, base_url, model_name, ctx.hf_dir, load, args.input_len,
+    guidellm = ctx.guidellm if dataset is None else None  # the long scenario's datasets are vLLM's
+    if guidellm is not None:
+        argv = guidellm_argv(guidellm, base_url, model_name, ctx.hf_dir, load, args.input_len,
                              args.output_len, seed, result_path)  # fmt: skip
     else:
         dataset = dataset or random_dataset(args.input_len, args.output_len)
@@ -139,7 +140,7 @@ def measure(ctx: Context, setup: str, servers: list[int], base_url: str, model_n
     else:
         with open(result_path) as f:
             result = json.load(f)
-        if ctx.guidellm is not None and dataset is None:
+        if guidellm is not None:
             row = parse_guidellm(result, setup, repeat, load)
         else:
             row = parse_result(result, setup, repeat, load)

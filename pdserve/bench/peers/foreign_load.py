@@ -14,9 +14,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from pdserve.bench.peers.process_cpu import proc_stats, session_pids
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from pdserve.bench.peers.process_cpu import CLK_TCK, proc_stats, session_pids
 
 
 def _busy_ticks() -> int:
