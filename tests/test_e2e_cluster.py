@@ -26,6 +26,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve import LLM
 from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster, pick_free_ports
 from pdserve.engine.request import SamplingParams
@@ -450,13 +451,23 @@ def test_decode_engine_killed_mid_stream_is_resumed_on_the_other_with_the_same_t
     other decode engine (which computes prompt + streamed tokens itself), so the client's stream
     goes on and ends with exactly the colocated greedy tokens."""
     prompt = _fresh_prompt(tiny_llm.tokenizer)
-    # As long as the engines' max_model_len (1024) lets it run: the kill must land while the
-    # decode engine is still generating, and with 600 tokens a loaded CI machine once let the
-    # whole answer finish on it between the stream's first tokens and the kill.
-    max_tokens = 1024 - len(prompt) - 1
-    want = tiny_llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+    # As long as the tiny model's positions (4096) let it run: the kill must land while the
+    # decode engine is still generating, and a loaded CI machine once let a whole 940-token
+    # answer (0.4 s of decoding) finish between the stream's first tokens and the kill.
+    max_model_len = 4096
+    max_tokens = max_model_len - len(prompt) - 1
+    long_llm = LLM(tiny_model_dir, max_model_len=max_model_len, num_blocks=300, max_num_batched_tokens=1024)
+    want = long_llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+    engine_args = [
+        "--max-model-len",
+        str(max_model_len),
+        "--num-blocks",
+        "300",
+        "--max-num-batched-tokens",
+        "1024",
+    ]
     with (
-        LocalCluster(1, 2, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS) as cluster,
+        LocalCluster(1, 2, model=tiny_model_dir, kv_transport="tcp", engine_args=engine_args) as cluster,
         Client(cluster.router_address) as client,
     ):
         stream = client.stream(
