@@ -148,13 +148,21 @@ class EngineCore:
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Abort: free (or release) every block the requests hold; an output per live request."""
-        live = [rid for rid in request_ids if rid in self.scheduler.requests]
-        unfinished = [rid for rid in live if not self.scheduler.requests[rid].is_finished()]
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        return [
-            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="abort") for rid in unfinished
-        ]
+        """Abort: free (or release) every block the requests hold. One output answers each id
+        (``answers_abort``): the "abort" output of a request still running, an empty unfinished
+        one otherwise (finished, held for a remote reader, or unknown)."""
+        request_ids = list(request_ids)
+        requests = self.scheduler.requests
+        unfinished = {rid for rid in request_ids if rid in requests and not requests[rid].is_finished()}
+        self.scheduler.finish_requests(
+            [rid for rid in request_ids if rid in requests], RequestStatus.FINISHED_ABORTED
+        )
+        outputs = []
+        for rid in request_ids:
+            finish_reason = "abort" if rid in unfinished else None
+            unfinished.discard(rid)  # an id given twice: its second answer is the empty one
+            outputs.append(EngineCoreOutput(rid, [], finish_reason=finish_reason, answers_abort=True))
+        return outputs
 
     # ------------------------------------------------------------------ the loop
 
@@ -331,10 +339,12 @@ class EngineCore:
     ) -> None:
         added = False
         for item in receive(0.0):
-            if isinstance(item, EngineCoreRequest):
+            if isinstance(item, EngineCoreRequest) and not self._deferred_inputs:
                 self._handle_input(item, emit)
                 added = True
             else:
+                # Inputs are handled in the order sent: a request that follows a deferred abort
+                # waits with it (it may reuse the aborted id).
                 self._deferred_inputs.append(item)
         if added:
             self.admit_remote_loads()

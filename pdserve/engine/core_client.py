@@ -14,6 +14,7 @@ add only how they wait.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -271,7 +272,8 @@ class EngineCoreClient(MPClient[None]):
     # ------------------------------------------------------------------ plumbing
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        self._buffered.extend(outputs)
+        # An abort's empty answer (the request was not running) tells a caller nothing.
+        self._buffered.extend(o for o in outputs if o.finished or not o.answers_abort)
 
     def _on_reply(self, reply: messages.Reply) -> None:
         if reply.nonce in self._replies:  # else a reply to a call that timed out
@@ -335,6 +337,12 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
     ) -> None:
         super().__init__(config, zmq.asyncio.Context(), env, log_level)
         self._streams: dict[str, OutputSink] = {}  # {request_id: where its outputs go}
+        # Which opening of an id a stream is, and for each id the openings its Aborts in flight
+        # stopped (None: no stream was open), oldest first: the core answers each with one
+        # ``answers_abort`` output, after every other output of the request it aborted.
+        self._stream_numbers: dict[str, int] = {}
+        self._aborts_in_flight: dict[str, collections.deque[int | None]] = {}
+        self._openings = itertools.count()
         self._replies: dict[int, asyncio.Future[messages.Reply]] = {}  # {nonce: reply future}
         self._ready: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
@@ -405,9 +413,21 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = sink
+        self._stream_numbers[request_id] = next(self._openings)
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._stream_numbers.pop(request_id, None)
+
+    def abort(self, request_ids: list[str]) -> Coroutine[Any, Any, None]:
+        """Abort in the core. Until the core answers, outputs of an id whose stream was closed
+        (or reopened by a new request reusing the id) belong to the request aborted, and are
+        dropped: the new request gets only its own."""
+        for request_id in request_ids:
+            self._aborts_in_flight.setdefault(request_id, collections.deque()).append(
+                self._stream_numbers.get(request_id)
+            )
+        return super().abort(request_ids)
 
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -436,7 +456,21 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         for output in outputs:
-            queue = self._streams.get(output.request_id)
+            request_id = output.request_id
+            queue = self._streams.get(request_id)
+            aborts = self._aborts_in_flight.get(request_id)
+            if aborts:
+                number = self._stream_numbers.get(request_id)
+                if output.answers_abort:
+                    aborted = aborts.popleft()
+                    if not aborts:
+                        del self._aborts_in_flight[request_id]
+                    if aborted is None or aborted != number or not output.finished:
+                        continue  # the answer for a stream closed before (or a request done)
+                elif aborts[0] != number:
+                    continue  # a late output of the aborted request, not the stream open now
+            elif output.answers_abort and not output.finished:
+                continue
             if queue is not None:
                 queue.put_nowait(output)
 

@@ -29,6 +29,7 @@ class FrontSession:
         self.requests: dict[str, dict[str, float]] = {}
         self.outputs: list[EngineCoreOutput] = []
         self.errors: list[engine_pb2.RequestError] = []
+        self.aborted: list[str] = []  # ids whose abort was taken, for the next message
         self.wake = asyncio.Event()
 
     def add(self, request_id: str) -> None:
@@ -49,10 +50,21 @@ class FrontSession:
         self.requests.pop(request_id, None)
         self.refuse(request_id, code, message)
 
-    def take(self) -> tuple[list[EngineCoreOutput], list[engine_pb2.RequestError]]:
-        """What arrived since the last call, of requests still in the session."""
+    def abort(self, request_id: str) -> bool:
+        """Drop ``request_id``: what it produced and was not sent yet goes, and the next message
+        says so (the router then knows later outputs of the id are a new request's). True if it
+        was still running here."""
+        running = self.requests.pop(request_id, None) is not None
+        self.outputs = [o for o in self.outputs if o.request_id != request_id]
+        self.errors = [e for e in self.errors if e.request_id != request_id]
+        self.aborted.append(request_id)
+        self.wake.set()
+        return running
+
+    def take(self) -> tuple[list[EngineCoreOutput], list[engine_pb2.RequestError], list[str]]:
+        """What arrived since the last call, of requests still in the session, and the aborts."""
         outputs = [o for o in self.outputs if o.request_id in self.requests]
-        errors = self.errors
-        self.outputs, self.errors = [], []
+        errors, aborted = self.errors, self.aborted
+        self.outputs, self.errors, self.aborted = [], [], []
         self.wake.clear()
-        return outputs, errors
+        return outputs, errors, aborted

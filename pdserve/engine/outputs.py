@@ -87,6 +87,10 @@ class EngineCoreOutput:
     num_prefix_hit_tokens: int = 0  # of the prompt, found in this engine's prefix cache
     # {event: unix time} of the request's life-cycle events since its previous output.
     timeline: dict[str, float] | None = None
+    # The core's answer to one id of an Abort: the request's "abort" output if it was running,
+    # else an empty unfinished one. Nothing of the request it aborted follows it, so a front can
+    # tell that request's late outputs from those of a new request reusing the id.
+    answers_abort: bool = False
 
     @property
     def finished(self) -> bool:

@@ -141,9 +141,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             while True:
                 await session.wake.wait()
-                outputs, errors = session.take()
-                if outputs or errors:
-                    yield self._session_response(session, outputs, errors)
+                outputs, errors, aborted = session.take()
+                if outputs or errors or aborted:
+                    yield self._session_response(session, outputs, errors, aborted)
                 if (reader.done() or self.draining) and not session.requests:
                     if reader.done():
                         reader.result()  # a failed read ends the stream with its error
@@ -167,7 +167,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     await self._start_in_session(message.generate, session)
                 elif message.WhichOneof("kind") == "abort_request_id":
                     request_id = message.abort_request_id
-                    if session.requests.pop(request_id, None) is not None:
+                    # Answered in the next message even when it had ended here already (the
+                    # router cannot tell), which also wakes a draining session to end.
+                    if session.abort(request_id):
                         self.core.close_stream(request_id)
                         logger.info("%s: aborted by the router", request_id)
                         with contextlib.suppress(EngineCoreError):
@@ -194,9 +196,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         logger.info("%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params))
 
     def _session_response(
-        self, session: FrontSession, outputs: list[EngineCoreOutput], errors: list[engine_pb2.RequestError]
+        self,
+        session: FrontSession,
+        outputs: list[EngineCoreOutput],
+        errors: list[engine_pb2.RequestError],
+        aborted: list[str],
     ) -> engine_pb2.SessionResponse:
-        response = engine_pb2.SessionResponse(errors=errors)
+        response = engine_pb2.SessionResponse(errors=errors, aborted=aborted)
         for output in outputs:
             request_id = output.request_id
             if request_id not in session.requests:

@@ -17,6 +17,7 @@ resumes elsewhere.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -88,6 +89,9 @@ class _SessionCall:
         self.address = address
         self.outbox: asyncio.Queue[engine_pb2.SessionRequest | None] = asyncio.Queue()
         self.streams: dict[str, SessionStream] = {}
+        # {request_id: aborts sent that the engine has not answered}: until it does, what
+        # arrives for the id is the aborted request's, even when a new one reuses the id.
+        self.aborting: collections.Counter[str] = collections.Counter()
         self.failed = False
         self.call = stub.Session(self._requests())
         self.reader = asyncio.create_task(self._read(), name=f"session-{address}")
@@ -112,21 +116,30 @@ class _SessionCall:
 
     def abort(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None and not self.failed:
+            self.aborting[request_id] += 1
             self.outbox.put_nowait(engine_pb2.SessionRequest(abort_request_id=request_id))
 
     async def _read(self) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"engine {self.address} ended the session")
         try:
             async for response in self.call:
+                for request_id in response.aborted:
+                    self.aborting[request_id] -= 1
+                    if self.aborting[request_id] <= 0:
+                        del self.aborting[request_id]
                 for output in response.outputs:
+                    if output.request_id in self.aborting:
+                        continue  # of a request aborted meanwhile
                     stream = self.streams.get(output.request_id)
                     if stream is None:
-                        continue  # aborted meanwhile
+                        continue
                     if output.finish_reason:
                         del self.streams[output.request_id]
                         stream.finish()
                     stream.queue.put_nowait(output)
                 for failure in response.errors:
+                    if failure.request_id in self.aborting:
+                        continue
                     stream = self.streams.pop(failure.request_id, None)
                     if stream is not None:
                         stream.finish()
@@ -139,6 +152,9 @@ class _SessionCall:
             raise
         finally:
             self.failed = True
+            # The call is over (or broken): release it, and end its request iterator.
+            self.call.cancel()
+            self.outbox.put_nowait(None)
             if self.streams:
                 logger.warning(
                     "session with engine %s ended (%s) with %d requests: failing them",

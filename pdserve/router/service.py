@@ -252,16 +252,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             counted = True
             raise
         finally:
-            self.live.pop(request_id, None)
-            if not finished and not counted:
-                # The caller went away (gRPC cancel or deadline, HTTP stream closed).
-                logger.info("%s: the client went away", request_id)
-                self.metrics.requests.labels(finish_reason="abort").inc()
-            if not finished or live.cut_short:
-                # Cancelled, disconnected, failed or cut short by a stop string: engines may
-                # still hold or run it, and nothing may stay allocated anywhere.
-                live.abort()
-                await asyncio.shield(self._abort_on_engines(live))
+            try:
+                if not finished and not counted:
+                    # The caller went away (gRPC cancel or deadline, HTTP stream closed).
+                    logger.info("%s: the client went away", request_id)
+                    self.metrics.requests.labels(finish_reason="abort").inc()
+                if not finished or live.cut_short:
+                    # Cancelled, disconnected, failed or cut short by a stop string: engines may
+                    # still hold or run it, and nothing may stay allocated anywhere.
+                    live.abort()
+                    await asyncio.shield(self._abort_on_engines(live))
+            finally:
+                # Only now may a new request take the id: the aborts above, sent by id, must
+                # not reach the engines after it.
+                if self.live.get(request_id) is live:
+                    del self.live[request_id]
 
     async def _run(
         self, live: LiveRequest, prepared: PreparedRequest, timeout: float

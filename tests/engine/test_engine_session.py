@@ -132,6 +132,69 @@ def test_a_session_refuses_and_aborts_each_request_on_its_own(cluster, client, t
         session.close()
 
 
+def test_an_id_reused_right_after_its_abort_gets_only_the_new_requests_tokens(cluster, client, tiny_llm):
+    """A router that aborts a request and at once sends a new one with the same id (a client
+    retrying with its own id): the new request must get exactly its own tokens, not the old
+    one's late tokens or its "abort" end, and the old one must not run on unseen."""
+    old, new = prompts_of_lengths(tiny_llm.tokenizer, [35, 50])
+    (expected,) = tiny_llm.generate([new], SamplingParams(max_tokens=6, ignore_eos=True))
+    session = _Session(cluster.decode_addresses[0])
+    try:
+        for attempt in range(3):
+            request_id = f"session-d-{attempt}"
+            session.generate(request_id, old, 900)
+            message = session.next()  # running: its tokens stream
+            assert {o.request_id for o in message.outputs} == {request_id} and not message.errors
+            session.abort(request_id)
+            session.generate(request_id, new, 6)
+            got: list[int] = []
+            aborts = 0
+            while True:
+                message = session.next()
+                assert not message.errors
+                aborts += list(message.aborted).count(request_id)
+                if not aborts:
+                    continue  # the old request's, sent before the abort reached the engine
+                # Every output of the id from the abort's answer on is the new request's.
+                outputs = [o for o in message.outputs if o.request_id == request_id]
+                got += [t for o in outputs for t in o.token_ids]
+                if any(o.finish_reason for o in outputs):
+                    assert outputs[-1].finish_reason == "length"
+                    break
+            assert got == expected.token_ids
+        assert all(is_idle(s) for s in wait_idle(client)), "the aborted request still runs or holds blocks"
+    finally:
+        session.close()
+
+
+def test_a_client_reusing_the_id_of_a_request_it_cancelled_gets_its_own_answer(cluster, client, tiny_llm):
+    """Through the router: cancel a streaming request and send a new one with the same id at
+    once. The new one is refused while the old one is still being aborted (ALREADY_EXISTS, a
+    retry succeeds) or runs: either way it ends with its own tokens, not the old one's "abort"."""
+    old, new = prompts_of_lengths(tiny_llm.tokenizer, [33, 47])
+    (expected,) = tiny_llm.generate([new], SamplingParams(max_tokens=6, ignore_eos=True))
+    for attempt in range(3):
+        request_id = f"router-reuse-{attempt}"
+        stream = client.stream(prompt_token_ids=old, max_tokens=900, ignore_eos=True, request_id=request_id)
+        next_within(stream, TIMEOUT_S)
+        next_within(stream, TIMEOUT_S)
+        stream.close()  # cancels the call: the router aborts it on the engine
+        for _ in range(100):
+            try:
+                completion = client.generate(
+                    prompt_token_ids=new,
+                    max_tokens=6,
+                    ignore_eos=True,
+                    request_id=request_id,
+                    timeout=TIMEOUT_S,
+                )
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.ALREADY_EXISTS, exc
+        assert (completion.token_ids, completion.finish_reason) == (expected.token_ids, "length")
+    assert all(is_idle(s) for s in wait_idle(client)), "a cancelled request still runs or holds blocks"
+
+
 def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(cluster, client, tiny_llm):
     prompts = prompts_of_lengths(tiny_llm.tokenizer, [45, 55, 65])
     session = _Session(cluster.decode_addresses[0])
@@ -176,8 +239,8 @@ def test_outputs_after_a_requests_last_one_in_the_same_batch_are_dropped_not_fat
         EngineCoreOutput("b", [8], finish_reason="length"),
     ):
         session.put_nowait(output)
-    outputs, errors = session.take()
-    response = servicer._session_response(session, outputs, errors)
+    outputs, errors, aborted = session.take()
+    response = servicer._session_response(session, outputs, errors, aborted)
     assert [(o.request_id, list(o.token_ids), o.finish_reason) for o in response.outputs] == [
         ("a", [], "abort")
     ]
