@@ -107,9 +107,7 @@ def paged_attention_prefill(
         return _triton().paged_attention_prefill(
             query, kv_cache_layer, block_tables, query_start_loc, seq_lens, scale
         )
-    self_attention = (
-        None if forced_backend() == "torch" or query.device.type != "cpu" else _cpu_self_attention
-    )
+    on_cpu = forced_backend() != "torch" and query.device.type == "cpu"
     return reference.paged_attention_prefill_ref(
         query,
         kv_cache_layer,
@@ -119,7 +117,8 @@ def paged_attention_prefill(
         scale,
         key=key,
         value=value,
-        self_attention=self_attention,
+        self_attention=_cpu_self_attention if on_cpu else None,
+        prefix_attention=_cpu_prefix_attention if on_cpu else None,
         sliding_window=window,
     )
 
@@ -136,13 +135,30 @@ def _cpu_self_attention(
     called with a ``sliding_window`` only where one cuts into the chunk."""
     if cpu_causal_attention.serves(query, key, value):
         if sliding_window:
-            return cpu_causal_attention.causal_self_attention(
+            return cpu_causal_attention.causal_attention(
                 query, key, value, scale, sliding_window=sliding_window
             )
-        return cpu_causal_attention.causal_self_attention(query, key, value, scale)
+        return cpu_causal_attention.causal_attention(query, key, value, scale)
     if sliding_window:
         return reference.causal_self_attention_ref(query, key, value, scale, sliding_window=sliding_window)
     return reference.causal_self_attention_ref(query, key, value, scale)
+
+
+def _cpu_prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """A chunk after its cached prefix (K/V gathered): the C kernel where it runs, else None
+    (the reference's masked SDPA)."""
+    if not cpu_causal_attention.serves(query, key, value):
+        return None
+    if sliding_window:
+        return cpu_causal_attention.causal_attention(query, key, value, scale, sliding_window=sliding_window)
+    return cpu_causal_attention.causal_attention(query, key, value, scale)
 
 
 def gather_blocks(

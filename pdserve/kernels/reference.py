@@ -287,10 +287,12 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-class SelfAttention(Protocol):
-    """How a chunk with no cached prefix attends to itself: ``(query, key, value, scale)`` ->
-    output, called with ``sliding_window=W`` only where a window cuts into the chunk (``W`` <
-    its length; ``paged_attention_prefill_ref`` passes no window otherwise)."""
+class ChunkAttention(Protocol):
+    """How a chunk attends: ``(query, key, value, scale)``, the queries at the last of the keys'
+    positions (a chunk with no cached prefix: its own K/V alone), -> output, or None where it does
+    not run (``paged_attention_prefill_ref`` then takes SDPA). Called with ``sliding_window=W``
+    only where a window applies (for a chunk with no prefix: where ``W`` < its length), with
+    positions counted from the first key given."""
 
     def __call__(
         self,
@@ -300,7 +302,7 @@ class SelfAttention(Protocol):
         scale: float,
         *,
         sliding_window: int | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | None: ...
 
 
 # Query rows per SDPA call of a windowed chunk past its first W rows (causal_self_attention_ref).
@@ -385,7 +387,8 @@ def paged_attention_prefill_ref(
     scale: float,
     key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new K
     value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the chunks' new V
-    self_attention: SelfAttention | None = None,
+    self_attention: ChunkAttention | None = None,
+    prefix_attention: ChunkAttention | None = None,
     *,
     sliding_window: int | None = None,  # W: the query at p sees p - W < k <= p (module docstring)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -399,9 +402,9 @@ def paged_attention_prefill_ref(
     When ``key``/``value`` (the step's new K/V, laid out like ``query``) are given, a chunk that
     starts at position 0 (no cached prefix) takes ``causal_self_attention_ref`` on them instead:
     same result, no gather and no explicit mask. ``self_attention`` replaces that function (the
-    CPU engine's C kernel where it runs: ``kernels.paged_attention_prefill``).
+    CPU engine's C kernel where it runs: ``kernels.paged_attention_prefill``). A chunk after a
+    cached prefix goes to ``prefix_attention`` (the same C kernel) if given, over the gathered K/V.
     """
-    attend_self = self_attention or causal_self_attention_ref
     window = window_size(sliding_window)
     block_size = kv_cache_layer.shape[2]
     out = torch.empty_like(query)
@@ -419,10 +422,12 @@ def paged_attention_prefill_ref(
                 key[q_start:q_end].to(kv_cache_layer.dtype),
                 value[q_start:q_end].to(kv_cache_layer.dtype),
             )
-            if window and window < q_len:
-                attended = attend_self(*chunk, scale, sliding_window=window)
-            else:  # the window holds the whole chunk: no window
-                attended = attend_self(*chunk, scale)
+            cut = window and window < q_len  # a window that holds the whole chunk is no window
+            attended = None
+            for attend in (self_attention, causal_self_attention_ref):
+                if attend is not None and attended is None:
+                    attended = attend(*chunk, scale, sliding_window=window) if cut else attend(*chunk, scale)
+            assert attended is not None  # the reference always runs
             out[q_start:q_end] = attended.to(query.dtype)
             continue
         # From the block holding the first key the chunk's first query sees (0: no window).
@@ -432,6 +437,15 @@ def paged_attention_prefill_ref(
             kv_cache_layer, block_tables[seq], (seq_len + block_size - 1) // block_size, first_block
         )
         keys, values = keys[: seq_len - first_pos], values[: seq_len - first_pos]  # [L, Hkv, D]
+        if prefix_attention is not None:
+            chunk_query = query[q_start:q_end].to(keys.dtype)
+            if window:
+                over_prefix = prefix_attention(chunk_query, keys, values, scale, sliding_window=window)
+            else:
+                over_prefix = prefix_attention(chunk_query, keys, values, scale)
+            if over_prefix is not None:
+                out[q_start:q_end] = over_prefix.to(query.dtype)
+                continue
         # One call over all heads: enable_gqa shares each KV head with its query heads (no
         # repeated K/V) and the [q, L] mask is shared by every head. On torch 2.13's CPU SDPA
         # this runs 2-3x faster than folding the query heads into the length axis with a

@@ -37,7 +37,7 @@ def test_it_gives_what_sdpa_gives(length, heads, head_dim):
     q, k, v = projection(length, *heads, head_dim, seed=length)
     scale = head_dim**-0.5
     assert cpu_causal_attention.serves(q, k, v)
-    got = cpu_causal_attention.causal_self_attention(q, k, v, scale)
+    got = cpu_causal_attention.causal_attention(q, k, v, scale)
     want = reference.causal_self_attention_ref(q, k, v, scale)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     # A few bf16 steps of the output apart at most: both round P to bf16, in other orders.
@@ -50,10 +50,10 @@ def test_it_gives_what_sdpa_gives(length, heads, head_dim):
 @runs_here
 def test_a_row_attends_to_its_own_position_and_before_only():
     q, k, v = projection(40, 4, 2, 64, seed=3)
-    full = cpu_causal_attention.causal_self_attention(q, k, v, 0.125)
+    full = cpu_causal_attention.causal_attention(q, k, v, 0.125)
     changed = v.clone()
     changed[30:] = 100.0  # later positions' values: rows up to 29 must not see them
-    again = cpu_causal_attention.causal_self_attention(q, k, changed, 0.125)
+    again = cpu_causal_attention.causal_attention(q, k, changed, 0.125)
     assert torch.equal(full[:30], again[:30])
     assert not torch.equal(full[30:], again[30:])
     assert torch.equal(full[0], v[0].repeat_interleave(2, dim=0))  # one key: its value, exactly
@@ -76,8 +76,8 @@ def test_the_prefill_dispatcher_runs_it_for_a_chunk_without_prefix(monkeypatch):
     tables = torch.tensor([[0, 1]], dtype=torch.int32)
     starts, lens = torch.tensor([0, 20], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     calls = []
-    real = cpu_causal_attention.causal_self_attention
-    monkeypatch.setattr(cpu_causal_attention, "causal_self_attention", lambda *a: calls.append(1) or real(*a))
+    real = cpu_causal_attention.causal_attention
+    monkeypatch.setattr(cpu_causal_attention, "causal_attention", lambda *a: calls.append(1) or real(*a))
     got = kernels.paged_attention_prefill(q, cache, tables, starts, lens, 0.125, key=k, value=v)
     assert calls == [1]
     torch.testing.assert_close(got, real(q, k, v, 0.125), rtol=0, atol=0)
@@ -97,7 +97,7 @@ def test_with_a_window_it_gives_what_sdpa_gives(length, window, heads, head_dim)
     mask (``causal_self_attention_ref``) to the same bounds as without a window."""
     q, k, v = projection(length, *heads, head_dim, seed=length + window)
     scale = head_dim**-0.5
-    got = cpu_causal_attention.causal_self_attention(q, k, v, scale, sliding_window=window)
+    got = cpu_causal_attention.causal_attention(q, k, v, scale, sliding_window=window)
     want = reference.causal_self_attention_ref(q, k, v, scale, sliding_window=window)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-5)
     exact = reference.causal_self_attention_ref(q.float(), k.float(), v.float(), scale, sliding_window=window)
@@ -110,22 +110,22 @@ def test_a_row_attends_to_its_window_only():
     """Window 10: rows from 29 on do not see positions 0..19 (their values changed: the same
     bits); row 28 sees position 19."""
     q, k, v = projection(60, 4, 2, 64, seed=4)
-    windowed = cpu_causal_attention.causal_self_attention(q, k, v, 0.125, sliding_window=10)
+    windowed = cpu_causal_attention.causal_attention(q, k, v, 0.125, sliding_window=10)
     changed = v.clone()
     changed[:20] = 100.0
-    again = cpu_causal_attention.causal_self_attention(q, k, changed, 0.125, sliding_window=10)
+    again = cpu_causal_attention.causal_attention(q, k, changed, 0.125, sliding_window=10)
     assert torch.equal(windowed[29:], again[29:])
     assert not torch.equal(windowed[28], again[28])
-    one = cpu_causal_attention.causal_self_attention(q, k, v, 0.125, sliding_window=1)
+    one = cpu_causal_attention.causal_attention(q, k, v, 0.125, sliding_window=1)
     assert torch.equal(one, v.repeat_interleave(2, dim=1))  # one key each: its own value, exactly
 
 
 @runs_here
 def test_no_window_or_one_holding_the_chunk_changes_no_bit():
     q, k, v = projection(100, 9, 3, 64, seed=6)
-    today = cpu_causal_attention.causal_self_attention(q, k, v, 0.125)
+    today = cpu_causal_attention.causal_attention(q, k, v, 0.125)
     for window in (None, 0, 100, 4096):
-        again = cpu_causal_attention.causal_self_attention(q, k, v, 0.125, sliding_window=window)
+        again = cpu_causal_attention.causal_attention(q, k, v, 0.125, sliding_window=window)
         assert torch.equal(again, today), window
 
 
@@ -136,10 +136,10 @@ def test_the_prefill_dispatcher_runs_it_with_the_window(monkeypatch):
     tables = torch.tensor([[0, 1, 2]], dtype=torch.int32)
     starts, lens = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
     windows = []
-    real = cpu_causal_attention.causal_self_attention
+    real = cpu_causal_attention.causal_attention
     monkeypatch.setattr(
         cpu_causal_attention,
-        "causal_self_attention",
+        "causal_attention",
         lambda *a, **kw: windows.append(kw.get("sliding_window")) or real(*a, **kw),
     )
     for window in (9, 40, None):
@@ -148,3 +148,63 @@ def test_the_prefill_dispatcher_runs_it_with_the_window(monkeypatch):
         )
         assert torch.equal(got, real(q, k, v, 0.125, sliding_window=window))
     assert windows == [9, None, None]  # a window holding the chunk is no window
+
+
+@runs_here
+@pytest.mark.parametrize(("prefix", "q_len"), [(1, 1), (16, 5), (17, 16), (100, 64), (512, 37), (301, 301)])
+@pytest.mark.parametrize("window", [0, 7, 64])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2)], ids=lambda h: f"{h[0]}q-{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_chunk_after_its_prefix_gets_the_last_rows_of_the_whole_prompts_attention(
+    prefix, q_len, window, heads, head_dim
+):
+    """A later chunk of a prompt (its queries the last ``q_len`` of ``prefix + q_len`` keys) gets,
+    bit for bit, the rows the whole prompt's attention gives those positions: each row sees the
+    same keys in the same order, whatever rows it is computed with. So the bounds above against
+    SDPA hold for it too, and the chunk's split never changes a prefill's result."""
+    q, k, v = projection(prefix + q_len, *heads, head_dim, seed=prefix + q_len + window)
+    scale = head_dim**-0.5
+    whole = cpu_causal_attention.causal_attention(q, k, v, scale, sliding_window=window)
+    chunk_q = q[prefix:]
+    assert cpu_causal_attention.serves(chunk_q, k, v)
+    got = cpu_causal_attention.causal_attention(chunk_q, k, v, scale, sliding_window=window)
+    assert got.shape == (q_len, heads[0], head_dim)
+    assert torch.equal(got, whole[prefix:])
+    want = reference.causal_self_attention_ref(q, k, v, scale, sliding_window=window)[prefix:]
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-5)
+
+
+@runs_here
+@pytest.mark.parametrize("window", [None, 24])
+def test_the_prefill_dispatcher_runs_it_for_a_chunk_after_its_cached_prefix(monkeypatch, window):
+    """Chunks of 20 and 5 queries after prefixes of 44 and 30 positions, their K/V in the paged
+    cache: the kernel over the gathered K/V, the masked SDPA's result to the same bounds."""
+    block_size, heads, kv_heads, head_dim = 16, 4, 2, 64
+    lengths, q_lens = [64, 35], [20, 5]
+    cache = torch.zeros(10, 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 0]], dtype=torch.int32)
+    queries, wants = [], []
+    for seq, (length, q_len) in enumerate(zip(lengths, q_lens, strict=True)):
+        q, k, v = projection(length, heads, kv_heads, head_dim, seed=11 + seq)
+        for pos in range(length):
+            block, offset = int(tables[seq, pos // block_size]), pos % block_size
+            cache[block, 0, offset], cache[block, 1, offset] = k[pos], v[pos]
+        queries.append(q[length - q_len :])
+        wants.append(
+            cpu_causal_attention.causal_attention(q, k, v, 0.125, sliding_window=window)[length - q_len :]
+        )
+    query = torch.cat(queries).contiguous()
+    starts = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    calls = []
+    real = cpu_causal_attention.causal_attention
+    monkeypatch.setattr(
+        cpu_causal_attention, "causal_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    got = kernels.paged_attention_prefill(query, cache, tables, starts, lens, 0.125, sliding_window=window)
+    assert len(calls) == 2
+    assert torch.equal(got, torch.cat(wants))
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")  # the reference: gathered K/V, masked SDPA
+    forced = kernels.paged_attention_prefill(query, cache, tables, starts, lens, 0.125, sliding_window=window)
+    assert len(calls) == 2
+    torch.testing.assert_close(forced.float(), got.float(), rtol=2**-6, atol=2**-5)

@@ -43,7 +43,7 @@ void pd_paged_decode_attention_generic(const void *q, int q_is_bf16, const void 
 
 /* causal_attention.c: pd_causal_attention_bf16 where it does not run (returns -2). */
 int pd_causal_attention_bf16_generic(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                                     const uint16_t *v, int64_t v_stride, int64_t L, int64_t Hq, int64_t Hkv,
-                                     int64_t D, float scale, int64_t window, uint16_t *out, int64_t out_stride,
-                                     int threads);
+                                     const uint16_t *v, int64_t v_stride, int64_t Lq, int64_t L, int64_t Hq,
+                                     int64_t Hkv, int64_t D, float scale, int64_t window, uint16_t *out,
+                                     int64_t out_stride, int threads);
 #endif

@@ -29,8 +29,8 @@ int pd_repack_bf16_route(void);
 
 /* causal_attention.c (arch/x86/causal_attention.c) */
 int pd_causal_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                             const uint16_t *v, int64_t v_stride, int64_t L, int64_t Hq, int64_t Hkv, int64_t D,
-                             float scale, int64_t window, uint16_t *out, int64_t out_stride, int threads);
+                             const uint16_t *v, int64_t v_stride, int64_t Lq, int64_t L, int64_t Hq, int64_t Hkv,
+                             int64_t D, float scale, int64_t window, uint16_t *out, int64_t out_stride, int threads);
 
 /* layer_ops.c */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
