@@ -52,6 +52,8 @@ class EngineHandle:
     healthy: bool = False
     info: engine_pb2.EngineInfo | None = None
     in_flight: int = 0  # requests the router has running on this engine
+    # Their prompt tokens not expected in its prefix cache: on a prefill engine, the work queued.
+    in_flight_tokens: int = 0
     # A decode engine's requests sent it whole (no KV to pull) that have not produced a token yet:
     # the prompts it is prefilling itself.
     local_prefills: int = 0

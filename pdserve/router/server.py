@@ -32,7 +32,12 @@ from pdserve.router.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import DEFAULT_KV_LOAD_WEIGHT, POLICIES, RoutingPolicy
-from pdserve.router.service import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_QUEUE, RouterServicer
+from pdserve.router.service import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    DEFAULT_MAX_PREFILL_QUEUE,
+    DEFAULT_MAX_PREFILL_QUEUE_TOKENS,
+    RouterServicer,
+)
 from pdserve.router.trace import TraceLog
 from pdserve.tls import ServerTls
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -98,6 +103,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_PREFILL_QUEUE,
         help="when every prefill engine has this many prompts queued or running, a decode engine "
         "that is prefilling nothing itself takes the next prompt whole (0, or --disagg-min-tokens 0: never)",
+    )
+    parser.add_argument(
+        "--max-prefill-queue-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_QUEUE_TOKENS,
+        help="or when every prefill engine has this many uncached prompt tokens queued or running "
+        "(0: prompts only)",
     )
     parser.add_argument(
         "--max-local-prefill-tokens",
@@ -168,6 +180,7 @@ async def serve_router(
         args.max_inflight,
         trace,
         max_prefill_queue=args.max_prefill_queue,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
     )
     server = grpc.aio.server(

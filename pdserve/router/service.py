@@ -98,6 +98,9 @@ class _Aborted(Exception):
 # next one whole (``RouterServicer._prefill_backlogged``). Chosen by ``pdserve bench peers`` on
 # two cores (see docs/performance.md, bench peers).
 DEFAULT_MAX_PREFILL_QUEUE = 4
+# Or uncached prompt tokens: 4 of that sweep's 256-token prompts, and one long prompt (which a
+# short prompt would otherwise wait a second or more behind: bench peers --scenario long).
+DEFAULT_MAX_PREFILL_QUEUE_TOKENS = 1024
 # The longest uncached prompt a decode engine takes whole that way: its other streams wait for
 # that prefill's step.
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1024
@@ -114,6 +117,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_inflight: int,
         trace: TraceLog | None = None,
         max_prefill_queue: int = 0,
+        max_prefill_queue_tokens: int = 0,
         max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     ) -> None:
         self.pool = pool
@@ -122,6 +126,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics = metrics
         self.disagg_min_tokens = disagg_min_tokens
         self.max_prefill_queue = max_prefill_queue
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.max_local_prefill_tokens = max_local_prefill_tokens
         self.max_inflight = max_inflight
         self.trace = trace or TraceLog(None)
@@ -300,9 +305,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ).inc()
         if backlogged:
             logger.info(
-                "%s: every prefill engine has >= %d prompts queued; prefilling on a decode engine",
+                "%s: every prefill engine has >= %d prompts or >= %d tokens queued; prefilling on a decode engine",
                 live.request_id,
                 self.max_prefill_queue,
+                self.max_prefill_queue_tokens,
             )
 
         # What decode starts from: nothing (served colocated on decode), or the prefill's first
@@ -365,8 +371,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _prefill_backlogged(self, prefills: list[EngineHandle], decodes: list[EngineHandle]) -> bool:
         """True when a prompt is better prefilled on a decode engine: every prefill engine has at
-        least ``max_prefill_queue`` prompts in its prefill stage (queued or running) and some
-        decode engine is prefilling none itself. As Dynamo's disaggregated router does with its
+        least ``max_prefill_queue`` prompts, or ``max_prefill_queue_tokens`` uncached prompt
+        tokens, in its prefill stage (queued or running) and some decode engine is prefilling
+        none itself. Tokens, since a prompt waits for the tokens ahead of it: one 1500-token
+        prompt is a second of a core's prefill, which a 64-token prompt behind it would wait
+        for (its own prefill on a decode engine holds that engine's streams up for one ~35 ms
+        step). As Dynamo's disaggregated router does with its
         prefill queue: a prefill engine is one core's worth of prompts, and when it falls behind
         (8 streams of 256-token prompts on two cores) the decode engine, idle between short
         steps, would otherwise wait for it; at most one such prompt at a time per decode engine,
@@ -374,9 +384,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ``max_prefill_queue`` 0, nor with ``disagg_min_tokens`` 0, which promises P/D always."""
         if self.max_prefill_queue <= 0 or self.disagg_min_tokens <= 0:  # 0: always P/D
             return False
-        return min(e.in_flight for e in prefills) >= self.max_prefill_queue and any(
-            e.local_prefills == 0 for e in decodes
+        by_tokens = self.max_prefill_queue_tokens > 0 and all(
+            e.in_flight_tokens >= self.max_prefill_queue_tokens for e in prefills
         )
+        by_prompts = all(e.in_flight >= self.max_prefill_queue for e in prefills)
+        return (by_prompts or by_tokens) and any(e.local_prefills == 0 for e in decodes)
 
     async def _decode(
         self,
@@ -476,7 +488,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.policy.routed(engine, block_hashes)  # after the expectation: not its own blocks
             tried.add(engine.address)
             live.engines.append(engine)
+            uncached_tokens = len(tokens) - live.expected_hit_blocks[role] * self._limits()[2]
             engine.in_flight += 1
+            engine.in_flight_tokens += uncached_tokens
             self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
             produced = False
             call: SessionStream | None = None
@@ -556,6 +570,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if prefilling:
                     engine.local_prefills -= 1
                 engine.in_flight -= 1
+                engine.in_flight_tokens -= uncached_tokens
                 self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
 
     async def _relay(

@@ -221,8 +221,8 @@ def test_scenario_flags_become_the_two_clients_loads():
     # the range applies to the prompts alone: every long prompt gets exactly 32 output tokens
     ratio = json.loads(dataset[dataset.index("--random-range-ratio") + 1])
     assert ratio == {"input": 0.33, "output": 0}
-    assert load == ["--num-prompts", "6", "--request-rate", "0.5"]
-    assert scenario.slo == SLO and scenario.num_requests == 22
+    assert load == ["--num-prompts", "32", "--request-rate", "0.5"]
+    assert scenario.slo == SLO and scenario.num_requests == 48
     assert _scenario("--long-range-ratio", "1").problem()
     assert _scenario("--slo-itl-ms", "0").problem()
     assert scenario.problem() is None

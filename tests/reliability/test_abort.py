@@ -69,8 +69,10 @@ def env(cluster, shared):
     prefill = cluster.engine("abort-prefill", "prefill", args=CHUNKED_PREFILL_ARGS)
     slow_prefill = cluster.engine("abort-prefill-slow", "prefill", tcp_fault=SLOW_TRANSFER)
     cluster.wait_serving()
-    router = cluster.router("abort-router", [prefill], [shared.decode])
-    slow_router = cluster.router("abort-router-slow", [slow_prefill], [shared.decode])
+    # Every prompt through prefill, however long the queue there: the stages are prefill's.
+    always_pd = ["--max-prefill-queue", "0"]
+    router = cluster.router("abort-router", [prefill], [shared.decode], args=always_pd)
+    slow_router = cluster.router("abort-router-slow", [slow_prefill], [shared.decode], args=always_pd)
     cluster.wait_serving()
     with Client(router.address) as client, Client(slow_router.address) as slow_client:
         yield Env(prefill, slow_prefill, shared.decode, router, client, slow_client)

@@ -92,3 +92,52 @@ def test_without_a_backlog_prompts_go_through_prefill(cluster, tiny_llm):
         for prompt in prompts:  # one at a time: the prefill engine's queue is never 1 on arrival
             completion = client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
             assert completion.metrics["prefill_engine"] == cluster.prefill_addresses[0]
+
+
+def test_one_long_prompt_in_prefill_hands_a_short_one_to_decode(tiny_model_dir, tiny_llm):
+    """``--max-prefill-queue-tokens``: one prompt of more tokens than that in the prefill stage
+    is a backlog too (a short prompt would wait for all of it), while the same prompt count of
+    short prompts is not."""
+    router_args = ["--max-prefill-queue", "3", "--max-prefill-queue-tokens", "200"]
+    prompts = [
+        tiny_llm.tokenizer.encode(f"Item {k}: " + long_text(2000, start=40 + k))[:n]
+        for k, n in enumerate((260, 60, 70, 50))
+    ]
+    expected = [
+        c.token_ids
+        for c in tiny_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    ]
+    with (
+        LocalCluster(
+            1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS, router_args=router_args
+        ) as cluster,
+        Client(cluster.router_address) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
+
+        def generate(prompt: list[int]):
+            return client.generate(
+                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0
+            )
+
+        completions = []
+        with frozen(cluster.procs["prefill-0"].pid):
+            queued = pool.submit(generate, prompts[0])  # 260 uncached tokens in the prefill stage
+            time.sleep(1.0)
+            completions.append(
+                pool.submit(generate, prompts[1]).result(timeout=60.0)
+            )  # while prefill is stopped
+        completions.insert(0, queued.result(timeout=60.0))
+        # With a 70-token prompt ahead, below 200 tokens and 3 prompts: the next one waits for prefill.
+        with frozen(cluster.procs["prefill-0"].pid):
+            queued = pool.submit(generate, prompts[2])
+            time.sleep(1.0)
+            waiting = pool.submit(generate, prompts[3])
+            time.sleep(0.5)
+            assert not waiting.done()
+        completions += [queued.result(timeout=60.0), waiting.result(timeout=60.0)]
+        assert [c.token_ids for c in completions] == expected
+        prefill_engines = [c.metrics["prefill_engine"] for c in completions]
+        assert prefill_engines == [cluster.prefill_addresses[0], "", *cluster.prefill_addresses * 2]
+        stats = wait_idle(client)
+        assert stats and all(is_idle(s) for s in stats), stats

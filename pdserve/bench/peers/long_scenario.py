@@ -10,6 +10,12 @@ streamed completions, EOS ignored, greedy):
   ``-+ --long-range-ratio`` (1029-2043 tokens at the defaults), with ``--long-output-len`` output
   tokens, arriving at ``--long-rate`` req/s (Poisson).
 
+The defaults keep both loads going for the whole run on both servers: 32 long prompts at 0.25
+req/s arrive over ~2 minutes, about as long as 96 streams of 256 tokens take four at a time
+(pdserve ~2 minutes, vLLM-CPU ~2.5 on two cores). With fewer streams (12, the first default)
+pdserve had finished its streams before most long prompts arrived, and a row measured the long
+prompts alone.
+
 Both clients are started together (``--long-delay`` seconds apart): each spends ~10 s of one core
 importing vLLM and sampling its prompts before it sends anything, and a client started while the
 streams run would take that core from the server under test. The long client's first prompt
@@ -67,11 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "--scenario long", "long prompts arriving among streaming decodes, under an SLO on every gap"
     )
-    group.add_argument("--stream-prompts", type=int, default=12, help="stream requests (closed loop)")
+    group.add_argument("--stream-prompts", type=int, default=96, help="stream requests (closed loop)")
     group.add_argument("--stream-concurrency", type=int, default=4, help="streams at a time")
     group.add_argument("--stream-input-len", type=int, default=64, help="a stream's prompt tokens")
     group.add_argument("--stream-output-len", type=int, default=256, help="a stream's output tokens")
-    group.add_argument("--long-prompts", type=int, default=6, help="long prompts (Poisson arrivals)")
+    group.add_argument("--long-prompts", type=int, default=32, help="long prompts (Poisson arrivals)")
     group.add_argument("--long-input-len", type=int, default=1536, help="a long prompt's mean tokens")
     group.add_argument(
         "--long-range-ratio",
