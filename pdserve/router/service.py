@@ -671,9 +671,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ------------------------------------------------------------------ Abort, Stats
 
     async def abort_request(self, request_id: str) -> bool:
-        """End a request everywhere (Abort RPC, HTTP client gone); False if it is not running."""
+        """End a request everywhere (Abort RPC, HTTP client gone); False if it is not running
+        (or already ending: its id stays taken until its aborts have gone out)."""
         live = self.live.get(request_id)
-        if live is None:
+        if live is None or live.aborted:
             return False
         live.abort()
         await self._abort_on_engines(live)
