@@ -2,7 +2,12 @@
 
 The router owns text: engines see only token ids. A delta never ends inside a UTF-8 character
 (the byte-level tokenizer decodes a partial one as U+FFFD, which is held back until the next
-token completes it). With stop strings, the text ends just before the first match (or after it,
+token completes it). Bytes that can no longer complete a character are not held: a model that
+emits a run of byte tokens that are no UTF-8 (SmolLM2 answering random token ids did, ~200 of
+them) would otherwise send no text for seconds while its tokens come every few ms. After
+``MAX_HELD_TOKENS`` tokens without text, the held tokens' text goes out but for its last three
+U+FFFD (a character's first three bytes at most, one U+FFFD each with a byte-fallback decoder):
+what a later byte cannot change. With stop strings, the text ends just before the first match (or after it,
 with ``include_stop_str_in_output``) and, while streaming, the last ``len(longest stop) - 1``
 characters are held back so that a stop string split across tokens never reaches the client
 in part — what vLLM's detokenizer does. Tokens are decoded incrementally (tokenizers'
@@ -16,6 +21,12 @@ from collections.abc import Sequence
 from tokenizers.decoders import DecodeStream
 
 from pdserve.engine.model.tokenizer import Tokenizer
+
+# Tokens without text after which the held ones' settled text is sent (see the module docstring).
+MAX_HELD_TOKENS = 4
+REPLACEMENT = "\ufffd"
+# Trailing U+FFFD kept back: a character's incomplete first bytes decode to at most 3 of them.
+UNSETTLED_REPLACEMENTS = 3
 
 
 class TextStream:
@@ -35,6 +46,8 @@ class TextStream:
         self.token_ids: list[int] = []
         self._decoder = DecodeStream(skip_special_tokens=True)
         self.text = ""  # the text of token_ids as decoded so far (all of it once final)
+        self._held_from = 0  # token_ids[_held_from:] have given no text from the decoder yet
+        self._settled = ""  # of their text, what went out already (the decoder will repeat it)
         self.sent = 0  # characters of the full text already sent
         self.scanned = 0  # stop strings were searched for in full[:scanned]
         self.matched_stop: str | None = None
@@ -54,7 +67,14 @@ class TextStream:
             # incomplete), not the whole output again at every token.
             piece = self._decoder.step(self.tokenizer.backend, list(new_ids)) if new_ids else None
             if piece:
-                self.text += piece
+                self.text += self._unsettled(piece)
+                self._held_from, self._settled = len(self.token_ids), ""
+            else:
+                held = len(self.token_ids) - self._held_from
+                # Each look decodes every held token: a long run is looked at ~16 times as often
+                # as it doubles (at 200 held tokens every 12th), not at every token.
+                if held > MAX_HELD_TOKENS and (held - MAX_HELD_TOKENS) % max(1, held // 16) == 0:
+                    self.text += self._settle()
             full = self.text
         end = len(full)
         if self.stop:
@@ -69,6 +89,29 @@ class TextStream:
         if self.stop and not final:
             end = max(self.sent, len(full) - self.holdback)
         return self._send(full, end)
+
+    def _settle(self) -> str:
+        """The held tokens' text that no later byte can change, less what went out before."""
+        start = self._held_from
+        context = self.token_ids[max(0, start - 4) : start]  # for a leading space, as the decoder
+        before = self.tokenizer.decode(context)
+        held = self.tokenizer.decode(context + self.token_ids[start:])
+        if not held.startswith(before):
+            return ""
+        text = held[len(before) :]
+        keep = len(text) - len(text.rstrip(REPLACEMENT))
+        text = text[: len(text) - min(keep, UNSETTLED_REPLACEMENTS)]
+        if not text.startswith(self._settled):
+            return ""
+        new, self._settled = text[len(self._settled) :], text
+        return new
+
+    def _unsettled(self, piece: str) -> str:
+        """The decoder's piece after a hold, less the settled part already sent."""
+        if piece.startswith(self._settled):
+            return piece[len(self._settled) :]
+        # Not expected (the decoder saw another context): the piece goes as it is.
+        return piece
 
     def _find_stop(self, full: str) -> tuple[int, str] | None:
         # Only text not searched before: a match must end in what this push added.
