@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _CANCELLED = object()  # put in a stream's queue by cancel()
+# Statuses of the whole Session call that say the stream broke, not that a request was refused.
+_SESSION_BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -147,6 +149,14 @@ class _SessionCall:
                         stream.queue.put_nowait(rpc_error(code, failure.message))
         except grpc.aio.AioRpcError as exc:
             error = exc
+            if exc.code() in _SESSION_BROKEN:
+                # The stream broke under all of its requests (an engine stopping mid-write has
+                # given "Internal error from Core"): no verdict on any one request, so each fails
+                # as an unreachable engine's would, and is retried or resumed elsewhere.
+                error = rpc_error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine {self.address} broke the session ({exc.code().name}: {exc.details()})",
+                )
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the session")
             raise

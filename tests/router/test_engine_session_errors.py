@@ -1,0 +1,75 @@
+"""The router's end of a Session when the whole stream breaks: each request on it fails as an
+unreachable engine's would (UNAVAILABLE, retried or resumed elsewhere), whatever status the
+broken stream ended with; a refusal of one request keeps its own status."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.router.engine_session import EngineSession, rpc_error
+from pdserve.v1 import engine_pb2
+
+
+class _BrokenCall:
+    """A Session call that answers ``responses``, then ends with ``error``."""
+
+    def __init__(self, responses: list[engine_pb2.SessionResponse], error: grpc.aio.AioRpcError) -> None:
+        self.responses, self.error = responses, error
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        await asyncio.sleep(0.01)  # the requests go out first
+        for response in self.responses:
+            yield response
+        raise self.error
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class _Stub:
+    def __init__(self, call: _BrokenCall) -> None:
+        self.call = call
+
+    def Session(self, requests):  # noqa: N802 (gRPC's method name)
+        return self.call
+
+
+async def _codes(status: grpc.StatusCode) -> tuple[list[grpc.StatusCode], _BrokenCall]:
+    refusal = engine_pb2.SessionResponse(
+        errors=[
+            engine_pb2.RequestError(
+                request_id="b", code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="no"
+            )
+        ]
+    )
+    call = _BrokenCall([refusal], rpc_error(status, "Internal error from Core"))
+    session = EngineSession(_Stub(call), "127.0.0.1:1")  # type: ignore[arg-type]
+    streams = [session.open(engine_pb2.EngineGenerateRequest(request_id=r), timeout=10) for r in ("a", "b")]
+    codes = []
+    for stream in streams:
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            async for _ in stream:
+                pass
+        codes.append(failure.value.code())
+    await session.close()
+    return codes, call
+
+
+@pytest.mark.parametrize("status", [grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN])
+def test_a_broken_session_fails_its_requests_unavailable(status):
+    codes, call = asyncio.run(_codes(status))
+    assert codes == [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT]
+    assert call.cancelled
+
+
+def test_a_session_ended_unauthenticated_keeps_its_status():
+    codes, _ = asyncio.run(_codes(grpc.StatusCode.UNAUTHENTICATED))
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT]
