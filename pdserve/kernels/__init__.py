@@ -117,34 +117,13 @@ def paged_attention_prefill(
         scale,
         key=key,
         value=value,
-        self_attention=_cpu_self_attention if on_cpu else None,
-        prefix_attention=_cpu_prefix_attention if on_cpu else None,
+        self_attention=_cpu_chunk_attention if on_cpu else None,
+        prefix_attention=_cpu_chunk_attention if on_cpu else None,
         sliding_window=window,
     )
 
 
-def _cpu_self_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """A chunk with no cached prefix: the C kernel where it runs (bf16, AVX512-BF16), else SDPA;
-    called with a ``sliding_window`` only where one cuts into the chunk."""
-    if cpu_causal_attention.serves(query, key, value):
-        if sliding_window:
-            return cpu_causal_attention.causal_attention(
-                query, key, value, scale, sliding_window=sliding_window
-            )
-        return cpu_causal_attention.causal_attention(query, key, value, scale)
-    if sliding_window:
-        return reference.causal_self_attention_ref(query, key, value, scale, sliding_window=sliding_window)
-    return reference.causal_self_attention_ref(query, key, value, scale)
-
-
-def _cpu_prefix_attention(
+def _cpu_chunk_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -152,8 +131,8 @@ def _cpu_prefix_attention(
     *,
     sliding_window: int | None = None,
 ) -> torch.Tensor | None:
-    """A chunk after its cached prefix (K/V gathered): the C kernel where it runs, else None
-    (the reference's masked SDPA)."""
+    """A chunk's attention (its own K/V, or its gathered prefix's too): the C kernel where it
+    runs (bf16, AVX512-BF16), else None (the reference's SDPA then)."""
     if not cpu_causal_attention.serves(query, key, value):
         return None
     if sliding_window:

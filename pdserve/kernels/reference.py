@@ -378,6 +378,20 @@ def _windowed_self_attention(
     return out
 
 
+def _attend(
+    attention: ChunkAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor | None:
+    """``attention`` called with ``sliding_window`` only for a window (> 0), as the hooks' contract says."""
+    if window:
+        return attention(query, key, value, scale, sliding_window=window)
+    return attention(query, key, value, scale)
+
+
 def paged_attention_prefill_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: query chunks, concatenated
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
@@ -422,12 +436,11 @@ def paged_attention_prefill_ref(
                 key[q_start:q_end].to(kv_cache_layer.dtype),
                 value[q_start:q_end].to(kv_cache_layer.dtype),
             )
-            cut = window and window < q_len  # a window that holds the whole chunk is no window
-            attended = None
-            for attend in (self_attention, causal_self_attention_ref):
-                if attend is not None and attended is None:
-                    attended = attend(*chunk, scale, sliding_window=window) if cut else attend(*chunk, scale)
-            assert attended is not None  # the reference always runs
+            cut = window if window < q_len else 0  # a window that holds the whole chunk is no window
+            attended = _attend(self_attention, *chunk, scale, cut) if self_attention is not None else None
+            if attended is None:  # no hook, or it does not run here: SDPA
+                ref = causal_self_attention_ref
+                attended = ref(*chunk, scale, sliding_window=cut) if cut else ref(*chunk, scale)
             out[q_start:q_end] = attended.to(query.dtype)
             continue
         # From the block holding the first key the chunk's first query sees (0: no window).
@@ -439,10 +452,7 @@ def paged_attention_prefill_ref(
         keys, values = keys[: seq_len - first_pos], values[: seq_len - first_pos]  # [L, Hkv, D]
         if prefix_attention is not None:
             chunk_query = query[q_start:q_end].to(keys.dtype)
-            if window:
-                over_prefix = prefix_attention(chunk_query, keys, values, scale, sliding_window=window)
-            else:
-                over_prefix = prefix_attention(chunk_query, keys, values, scale)
+            over_prefix = _attend(prefix_attention, chunk_query, keys, values, scale, window)
             if over_prefix is not None:
                 out[q_start:q_end] = over_prefix.to(query.dtype)
                 continue

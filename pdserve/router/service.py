@@ -482,13 +482,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             else:
                 engine = self.policy.pick(candidates, block_hashes)
             # The last token is never a cache hit (its logits must be computed).
+            block_size = self._limits()[2]
             live.expected_hit_blocks[role] = min(
-                self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // self._limits()[2]
+                self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // block_size
             )
             self.policy.routed(engine, block_hashes)  # after the expectation: not its own blocks
             tried.add(engine.address)
             live.engines.append(engine)
-            uncached_tokens = len(tokens) - live.expected_hit_blocks[role] * self._limits()[2]
+            uncached_tokens = len(tokens) - live.expected_hit_blocks[role] * block_size
             engine.in_flight += 1
             engine.in_flight_tokens += uncached_tokens
             self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)

@@ -7,7 +7,9 @@ emits a run of byte tokens that are no UTF-8 (SmolLM2 answering random token ids
 them) would otherwise send no text for seconds while its tokens come every few ms. After
 ``MAX_HELD_TOKENS`` tokens without text, the held tokens' text goes out but for its last three
 U+FFFD (a character's first three bytes at most, one U+FFFD each with a byte-fallback decoder):
-what a later byte cannot change. With stop strings, the text ends just before the first match (or after it,
+what a later byte cannot change.
+
+With stop strings, the text ends just before the first match (or after it,
 with ``include_stop_str_in_output``) and, while streaming, the last ``len(longest stop) - 1``
 characters are held back so that a stop string split across tokens never reaches the client
 in part — what vLLM's detokenizer does. Tokens are decoded incrementally (tokenizers'

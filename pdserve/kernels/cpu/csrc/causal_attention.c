@@ -1,7 +1,7 @@
 /*
  * Causal attention of a prompt chunk over its cached prefix and itself, in bf16: the prefill
- * engine's attention, where the CPU has AVX512-BF16. The kernel (both products on vdpbf16ps, rounding as
- * torch's flash SDPA kernel does for bf16) is arch/x86/causal_attention.c's, whose header says
+ * engine's attention, where the CPU has AVX512-BF16. The kernel (both products on vdpbf16ps,
+ * rounding as torch's flash SDPA kernel does for bf16) is arch/x86/causal_attention.c's, whose header says
  * how and why. There is no plain C version of it: the twin here answers "not here" (-2), and the
  * caller (pdserve/kernels/cpu/causal_attention.py) keeps torch's SDPA; arch_fallback.h makes it
  * the entry point of a build without AVX512-BF16.

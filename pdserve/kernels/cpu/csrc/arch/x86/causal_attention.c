@@ -109,8 +109,8 @@ static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
 static inline int64_t first_key(int64_t i, int64_t window) { return window > 0 && i + 1 > window ? i + 1 - window : 0; }
 
 /* The queries at positions i0..i0+rows-1 of one query head (q: the first one's head, rows
- * q_stride apart) against keys 0..i0+rows-1 (from first_key(i0) on with a window: the tiles and key pairs before it are
- * skipped): their outputs into out (row i0's head, out_stride apart). scores [rows][keys
+ * q_stride apart) against keys 0..i0+rows-1 (from first_key(i0) on with a window: the tiles and
+ * key pairs before it are skipped): their outputs into out (the first one's head, out_stride apart). scores [rows][keys
  * rounded up to 16] and probs [rows][keys rounded up to 2] are the caller's buffers. */
 static inline __attribute__((always_inline)) void query_rows(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
                                                              const uint32_t *vp, int64_t i0, int rows, int64_t D,
