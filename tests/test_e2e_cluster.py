@@ -31,7 +31,16 @@ from pdserve.client import Client
 from pdserve.cluster import ClusterError, LocalCluster, pick_free_ports
 from pdserve.engine.request import SamplingParams
 from pdserve.v1 import engine_pb2_grpc
-from tests.helpers.cluster import TINY_ENGINE_ARGS, frozen, is_idle, next_within, pid_gone, wait_idle
+from tests.helpers.cluster import (
+    LONG_ANSWER_ENGINE_ARGS,
+    LONG_ANSWER_MAX_MODEL_LEN,
+    TINY_ENGINE_ARGS,
+    frozen,
+    is_idle,
+    next_within,
+    pid_gone,
+    wait_idle,
+)
 from tests.helpers.text_corpus import long_text, prompts_of_lengths
 
 MAX_TOKENS = 8
@@ -413,13 +422,16 @@ def test_cluster_still_serves_and_holds_no_blocks_after_bad_input(client, prompt
 
 def test_dead_decode_engine_gives_unavailable_not_a_hang(tiny_model_dir, tiny_llm, prompts):
     with (
-        LocalCluster(1, 1, model=tiny_model_dir, kv_transport="tcp", engine_args=TINY_ENGINE_ARGS) as cluster,
+        LocalCluster(
+            1, 1, model=tiny_model_dir, kv_transport="tcp", engine_args=LONG_ANSWER_ENGINE_ARGS
+        ) as cluster,
         Client(cluster.router_address) as client,
     ):
         decode = cluster.procs["decode-0"]
+        prompt = _fresh_prompt(tiny_llm.tokenizer)
         in_flight = client.stream(
-            prompt_token_ids=_fresh_prompt(tiny_llm.tokenizer),
-            max_tokens=900,
+            prompt_token_ids=prompt,
+            max_tokens=LONG_ANSWER_MAX_MODEL_LEN - len(prompt) - 1,
             ignore_eos=True,
             timeout=CALL_TIMEOUT_S,
         )
@@ -451,23 +463,14 @@ def test_decode_engine_killed_mid_stream_is_resumed_on_the_other_with_the_same_t
     other decode engine (which computes prompt + streamed tokens itself), so the client's stream
     goes on and ends with exactly the colocated greedy tokens."""
     prompt = _fresh_prompt(tiny_llm.tokenizer)
-    # As long as the tiny model's positions (4096) let it run: the kill must land while the
-    # decode engine is still generating, and a loaded CI machine once let a whole 940-token
-    # answer (0.4 s of decoding) finish between the stream's first tokens and the kill.
-    max_model_len = 4096
+    max_model_len = LONG_ANSWER_MAX_MODEL_LEN
     max_tokens = max_model_len - len(prompt) - 1
     long_llm = LLM(tiny_model_dir, max_model_len=max_model_len, num_blocks=300, max_num_batched_tokens=1024)
     want = long_llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
-    engine_args = [
-        "--max-model-len",
-        str(max_model_len),
-        "--num-blocks",
-        "300",
-        "--max-num-batched-tokens",
-        "1024",
-    ]
     with (
-        LocalCluster(1, 2, model=tiny_model_dir, kv_transport="tcp", engine_args=engine_args) as cluster,
+        LocalCluster(
+            1, 2, model=tiny_model_dir, kv_transport="tcp", engine_args=LONG_ANSWER_ENGINE_ARGS
+        ) as cluster,
         Client(cluster.router_address) as client,
     ):
         stream = client.stream(

@@ -12,6 +12,18 @@ from typing import Any
 
 # Engines sized like the session's colocated `tiny_llm`, so greedy outputs can be compared.
 TINY_ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-num-batched-tokens", "1024"]
+# For tests that kill an engine while it decodes: as long an answer as the tiny model's 4096
+# positions allow (~3 s of decoding), because a loaded CI machine has let whole 900-token
+# answers (0.4 s) finish between a stream's first tokens and the kill.
+LONG_ANSWER_MAX_MODEL_LEN = 4096
+LONG_ANSWER_ENGINE_ARGS = [
+    "--max-model-len",
+    str(LONG_ANSWER_MAX_MODEL_LEN),
+    "--num-blocks",
+    "300",
+    "--max-num-batched-tokens",
+    "1024",
+]
 
 
 def is_idle(engine: dict[str, Any]) -> bool:
