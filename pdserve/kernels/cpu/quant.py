@@ -52,6 +52,11 @@ class BlockKind(IntEnum):
     Q4_K = 7
     Q5_K = 8
     Q6_K = 9
+    # GGUF's blocks of 32 interleaved 16 rows at a time, for the int8-activation kernel only
+    # (``kernels/cpu/csrc/repack_a8.c``): made at load with ``-a8`` where the CPU has AVX512-VNNI.
+    Q4_0_X16 = 10
+    Q5_0_X16 = 11
+    Q5_1_X16 = 12
 
     @property
     def block_bytes(self) -> int:
@@ -69,17 +74,36 @@ class BlockKind(IntEnum):
 
     @property
     def interleaved(self) -> bool:
-        return self in (BlockKind.Q4_1_X16, BlockKind.Q8_0_X16)
+        return self in _PLAIN_OF
 
     @property
     def as_gguf(self) -> bool:
-        """Held exactly as GGUF stores them (``Q4_0`` ... ``Q6_K``): no interleaved twin."""
-        return self >= BlockKind.Q4_0
+        """Held exactly as GGUF stores them (``Q4_0`` ... ``Q6_K``)."""
+        return BlockKind.Q4_0 <= self <= BlockKind.Q6_K
 
     @property
     def plain(self) -> BlockKind:
         """The row-major kind holding the same blocks."""
-        return BlockKind(int(self) - 2) if self.interleaved else self
+        return _PLAIN_OF.get(self, self)
+
+    def interleaved_twin(self, int8_activations: bool) -> BlockKind | None:
+        """The kind holding these blocks interleaved 16 rows at a time for the kernels of these
+        activations (Q4_1 and Q8_0: int8 and bf16; Q4_0, Q5_0, Q5_1: int8 only), or None."""
+        twin = _TWIN_OF.get(self)
+        if twin is None or (not int8_activations and twin in _INT8_ONLY):
+            return None
+        return twin
+
+
+_PLAIN_OF = {
+    BlockKind.Q4_1_X16: BlockKind.Q4_1,
+    BlockKind.Q8_0_X16: BlockKind.Q8_0,
+    BlockKind.Q4_0_X16: BlockKind.Q4_0,
+    BlockKind.Q5_0_X16: BlockKind.Q5_0,
+    BlockKind.Q5_1_X16: BlockKind.Q5_1,
+}
+_TWIN_OF = {plain: twin for twin, plain in _PLAIN_OF.items()}
+_INT8_ONLY = (BlockKind.Q4_0_X16, BlockKind.Q5_0_X16, BlockKind.Q5_1_X16)
 
 
 _BLOCK_BYTES = {
@@ -202,8 +226,9 @@ def quant_matmul(
         torch.get_num_threads(),
     )
     if status == -2:  # the kernel's own word on which kinds take which activations
+        taken = "int8" if kind in _INT8_ONLY else "int8 or bf16"
         raise ValueError(
-            f"{kind.name} blocks are multiplied with int8 or bf16 activations only, not {x.dtype} ones"
+            f"{kind.name} blocks are multiplied with {taken} activations only, not {x.dtype} ones"
         )
     if status:
         raise MemoryError("quantized matmul: its buffers could not be allocated")
@@ -334,6 +359,8 @@ def gguf_sub_block_parts(
 def dequantize_ref(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """``W`` in fp32 from its blocks: Q4_1 ``d * q + m``, Q8_0 ``d * q``; the kinds held as GGUF
     stores them ``d * q + m`` per 16 rounded once (the values ggml and the gguf package give)."""
+    if kind.interleaved and kind.plain.as_gguf:
+        kind, blocks = kind.plain, deinterleave_rows(kind, blocks, in_features)
     if kind.as_gguf:
         k_q, k_d, k_m = gguf_sub_block_parts(kind, blocks, in_features)
         rows = blocks.shape[0]
@@ -358,6 +385,56 @@ def q4_1_rows_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
     ).contiguous()
 
 
+# GGUF's blocks of 32 as the interleaved layout regroups them: byte ranges of (d, m, qh, qs) in a
+# block, in the order a chunk holds them after its words (qs first, then qh, d, m).
+_GGUF_PARTS = {
+    BlockKind.Q4_0: {"d": (0, 2), "qs": (2, 18)},
+    BlockKind.Q5_0: {"d": (0, 2), "qh": (2, 6), "qs": (6, 22)},
+    BlockKind.Q5_1: {"d": (0, 2), "m": (2, 4), "qh": (4, 8), "qs": (8, 24)},
+}
+_CHUNK_ORDER = ("qs", "qh", "d", "m")
+
+
+def _gguf_chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A GGUF small kind's rows as chunks ``[groups, blocks, 16 * block_bytes]``: per (16-row
+    group, block) its qs as 4 words of 16 rows' 4 bytes, its 16 rows' qh, d (and m)."""
+    rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
+    groups = rows // X16_ROWS
+    per_block = blocks.reshape(groups, X16_ROWS, num_blocks, kind.block_bytes)
+    pieces = []
+    for name in _CHUNK_ORDER:
+        if name not in _GGUF_PARTS[kind]:
+            continue
+        first, last = _GGUF_PARTS[kind][name]
+        part = per_block[..., first:last]  # [g, 16, b, width]
+        if name == "qs":  # [g, b, word, 16, 4]
+            pieces.append(part.reshape(groups, X16_ROWS, num_blocks, 4, 4).permute(0, 2, 3, 1, 4))
+        else:  # [g, b, 16, width]
+            pieces.append(part.permute(0, 2, 1, 3))
+    return torch.cat([p.reshape(groups, num_blocks, -1) for p in pieces], dim=-1)
+
+
+def _gguf_rows(kind: BlockKind, chunks: torch.Tensor, rows: int, in_features: int) -> torch.Tensor:
+    """``_gguf_chunks`` undone: the GGUF small kind's rows ``[rows, row_bytes]``."""
+    num_blocks, groups = in_features // BLOCK_SIZE, rows // X16_ROWS
+    chunks = chunks.reshape(groups, num_blocks, -1)
+    per_block = torch.empty(groups, X16_ROWS, num_blocks, kind.block_bytes, dtype=torch.uint8)
+    at = 0
+    for name in _CHUNK_ORDER:
+        if name not in _GGUF_PARTS[kind]:
+            continue
+        first, last = _GGUF_PARTS[kind][name]
+        width = (last - first) * X16_ROWS
+        part = chunks[..., at : at + width]
+        if name == "qs":
+            part = part.reshape(groups, num_blocks, 4, X16_ROWS, 4).permute(0, 3, 1, 2, 4)
+        else:
+            part = part.reshape(groups, num_blocks, X16_ROWS, last - first).permute(0, 2, 1, 3)
+        per_block[..., first:last] = part.reshape(groups, X16_ROWS, num_blocks, last - first)
+        at += width
+    return per_block.reshape(rows, -1).contiguous()
+
+
 def _chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A plain kind's rows as ``(words [groups, blocks, words, 16, 4], scales [groups, blocks,
     2 or 1, 16, 2])``: the 4-byte pieces of each (16-row group, block) and its fp16 d (and m)."""
@@ -377,23 +454,30 @@ def _chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[to
 def interleave_rows(
     kind: BlockKind, blocks: torch.Tensor, in_features: int
 ) -> tuple[BlockKind, torch.Tensor]:
-    """``(Q4_1_X16 or Q8_0_X16, blocks)``: the rows of a plain kind interleaved 16 at a time, as
-    ``kernels/cpu/csrc/repack_a8.c`` lays them out; the same bytes (Q8_0's weights plus 128), moved:
-    ``[rows, row_bytes]`` as before, so sizes and row counts read the same."""
+    """``(KIND_X16, blocks)``: the rows of a plain kind (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1) interleaved 16
+    at a time, as ``kernels/cpu/csrc/repack_a8.c`` lays them out; the same bytes (Q8_0's weights plus
+    128), moved: ``[rows, row_bytes]`` as before, so sizes and row counts read the same."""
     check_blocks(kind, blocks, in_features)
     if kind.interleaved:
         raise ValueError(f"{kind.name} blocks are interleaved already")
+    twin = kind.interleaved_twin(int8_activations=True)
+    if twin is None:
+        raise ValueError(f"{kind.name} blocks have no interleaved layout")
     if blocks.shape[0] % X16_ROWS:
         raise ValueError(f"interleaving needs a multiple of {X16_ROWS} rows, not {blocks.shape[0]}")
+    if kind.as_gguf:
+        return twin, _gguf_chunks(kind, blocks, in_features).reshape(blocks.shape).contiguous()
     words, scales = _chunks(kind, blocks, in_features)
     groups, num_blocks = words.shape[0], words.shape[1]
     chunk = torch.cat([words.reshape(groups, num_blocks, -1), scales.reshape(groups, num_blocks, -1)], dim=-1)
-    return BlockKind(int(kind) + 2), chunk.reshape(blocks.shape).contiguous()
+    return twin, chunk.reshape(blocks.shape).contiguous()
 
 
 def deinterleave_rows(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """``interleave_rows`` undone: the plain kind's rows of an interleaved matrix."""
     plain, rows, num_blocks = kind.plain, blocks.shape[0], in_features // BLOCK_SIZE
+    if plain.as_gguf:
+        return _gguf_rows(plain, blocks, rows, in_features)
     groups = rows // X16_ROWS
     word_count, scale_count = (4, 2) if plain is BlockKind.Q4_1 else (8, 1)
     chunk = blocks.reshape(groups, num_blocks, -1)
@@ -438,6 +522,8 @@ def quant_matmul_a8_ref(
     """``quant_matmul(..., int8_activations=True)`` in float64: ``sum_b dw d (q . xq) + m s`` per
     block (m: Q4_1's minimum, 0 for Q8_0), every product exact but the last rounding."""
     q, scale, q_sum = (t.double() for t in quantize_activations_ref(x))
+    if kind.interleaved and kind.plain.as_gguf:
+        kind, blocks = kind.plain, deinterleave_rows(kind, blocks, in_features)
     if kind.as_gguf:  # per half of 32: d q . xq + m sum(xq), times x's scale
         k_q, k_d, k_m = (torch.from_numpy(t) for t in gguf_sub_block_parts(kind, blocks, in_features))
         halves = q.reshape(q.shape[0], q.shape[1], 2, 16)

@@ -1,6 +1,7 @@
 """Weights interleaved 16 rows at a time for the int8-activation kernel (``kernels/cpu/csrc/repack_a8.c``).
 
-``--quantization gguf-a8 / int8-a8`` holds its projections so on CPUs with AVX512-VNNI. The
+``--quantization gguf-a8 / int8-a8`` holds its projections so on CPUs with AVX512-VNNI: Q4_1 and
+Q8_0, and GGUF's Q4_0, Q5_0 and Q5_1 (the fifth bits in a vector of their own). The
 layout moves the blocks' own bytes (undone exactly by ``deinterleave_rows``), the kernel computes
 what the float64 reference does to fp32 rounding, in any batch the same bits for a row, and the
 dequantization (prefill chunks, the tied embedding's lookups) decodes the same weights as from
@@ -25,7 +26,7 @@ from pdserve.kernels.cpu.quant import BlockKind
 
 pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler to build the kernels")
 
-TYPES = [GGML.Q4_1, GGML.Q8_0]
+TYPES = [GGML.Q4_1, GGML.Q8_0, GGML.Q4_0, GGML.Q5_0, GGML.Q5_1]
 
 
 def kernel_blocks(ggml_type: GGML, out_features: int, in_features: int, seed: int = 5):
@@ -64,6 +65,13 @@ def test_interleaving_refuses_what_it_cannot_lay_out():
         cpu_quant.check_blocks(x16_kind, x16[:8].contiguous(), 64)
     with pytest.raises(ValueError, match="int8 or bf16 activations"):
         cpu_quant.quant_matmul(torch.randn(1, 64), x16_kind, x16, 64)
+    kind, blocks = kernel_blocks(GGML.Q5_0, 32, 64)
+    x16_kind, x16 = cpu_quant.interleave_rows(kind, blocks, 64)
+    with pytest.raises(ValueError, match="with int8 activations only"):  # no bf16 kernel for these
+        cpu_quant.quant_matmul(torch.randn(1, 64).bfloat16(), x16_kind, x16, 64)
+    super_blocks = torch.randint(0, 256, (32, BlockKind.Q4_K.block_bytes), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="no interleaved layout"):
+        cpu_quant.interleave_rows(BlockKind.Q4_K, super_blocks, 256)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -132,6 +140,26 @@ def test_int8_activations_interleave_the_projections_and_keep_the_table_shared()
     assert torch.equal(model.embed(ids), looked_up)
     want = cpu_quant.quant_matmul_a8_ref(x.double(), model.head.kind, model.head.blocks, 64)
     torch.testing.assert_close(model.head(x).double(), want, rtol=4e-6, atol=4e-6 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not cpu_quant.x16_route(), reason="interleaving is for CPUs with AVX512-VNNI")
+def test_gguf_blocks_of_32_are_interleaved_for_int8_activations_only():
+    """Q5_0 (what an "_M" file holds where rows are not whole super-blocks) has an int8 kernel
+    interleaved and none for bf16 activations: a bf16 model's interleaving leaves it row-major."""
+    kind, blocks = kernel_blocks(GGML.Q5_0, 32, 576)
+    bf16_model, int8_model = torch.nn.Module(), torch.nn.Module()
+    bf16_model.proj, int8_model.proj = QuantLinear(kind, blocks, 576), QuantLinear(kind, blocks, 576)
+    bf16_model.proj.interleave({})
+    assert bf16_model.proj.kind is BlockKind.Q5_0
+    use_int8_activations(int8_model)
+    assert int8_model.proj.kind is BlockKind.Q5_0_X16 and int8_model.proj.int8_gemm
+    x = torch.randn(
+        20, 576, generator=torch.Generator().manual_seed(6)
+    )  # a prefill chunk takes the kernel too
+    want = cpu_quant.quant_matmul_a8_ref(x.double(), kind, blocks, 576)
+    torch.testing.assert_close(
+        int8_model.proj(x).double(), want, rtol=4e-6, atol=4e-6 * float(want.abs().max())
+    )
 
 
 def test_rows_that_are_not_whole_groups_stay_row_major():

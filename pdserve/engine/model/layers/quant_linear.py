@@ -174,11 +174,13 @@ class QuantLinear(nn.Module):
 
     def interleave(self, done: Interleaved) -> None:
         """Hold each part's blocks interleaved 16 rows at a time where its kind has such a layout
-        (Q4_1, Q8_0), for the kernels that read them so (``cpu_quant.interleave_rows``); whole
-        groups of 16 rows only, and blocks another module interleaved already (``done``) are
-        taken from there, not made twice."""
+        for this module's activations (Q4_1, Q8_0; with int8 ones Q4_0, Q5_0, Q5_1 too:
+        ``BlockKind.interleaved_twin``), for the kernels that read them so
+        (``cpu_quant.interleave_rows``); whole groups of 16 rows only, and blocks another module
+        interleaved already (``done``) are taken from there, not made twice."""
         for i, (kind, blocks) in enumerate(self.parts):
-            if kind.interleaved or kind.as_gguf or blocks.shape[0] % cpu_quant.X16_ROWS:
+            twin = kind.interleaved_twin(self.int8_activations)
+            if twin is None or blocks.shape[0] % cpu_quant.X16_ROWS:
                 continue
             pointer = blocks.data_ptr()
             if pointer not in done:

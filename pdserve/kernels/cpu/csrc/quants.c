@@ -119,7 +119,8 @@ void pd_quant_gemm_bf16_generic(int kind, const uint16_t *x, int64_t M, int64_t 
 
 /*
  * y[M, N] = x[M, K] @ W^T. kind 0: Q4_1 blocks, 1: Q8_0 blocks; W is [N, K / 32] blocks, row-major;
- * kinds 2 and 3 (Q4_1_X16, Q8_0_X16) the same interleaved by 16 rows, with bf16 x only. x and y are bf16 (flag 1)
+ * kinds 2 and 3 (Q4_1_X16, Q8_0_X16) the same interleaved by 16 rows, with bf16 x only; 4-9 as GGUF stores
+ * them (quants_k.h); never 10-12 (interleaved GGUF blocks: pd_quant_matmul_a8). x and y are bf16 (flag 1)
  * or fp32 (flag 0), contiguous. K must be a multiple of 32. Returns 0; -1 when a buffer could
  * not be allocated, -2 for a kind and x it does not take (nothing written then).
  */
@@ -132,6 +133,7 @@ int pd_quant_matmul(int kind, const void *x, int x_is_bf16, int64_t M, int64_t K
             pd_quant_k_gemm_f32(kind, (const float *)x, M, K, w, N, y, y_is_bf16, threads);
         return 0;
     }
+    if (is_x16_gguf(kind)) return -2; /* interleaved GGUF blocks: against int8 x only (repack_a8.c) */
     if (is_x16(kind)) /* interleaved rows: against bf16 x only (repack_bf16.c) */
         return x_is_bf16 ? pd_repack_bf16_matmul(kind, (const uint16_t *)x, M, K, w, N, y, y_is_bf16, threads) : -2;
     if (x_is_bf16)
@@ -153,6 +155,10 @@ void pd_quant_dequant_generic(int kind, const uint8_t *w, int64_t K, const int64
                               int out_is_bf16, int threads) {
     if (is_k_kind(kind)) {
         pd_quant_k_dequant(kind, w, K, rows, count, out, out_is_bf16, threads);
+        return;
+    }
+    if (is_x16_gguf(kind)) {
+        pd_x16_gguf_dequant(kind, w, K, rows, count, out, out_is_bf16, threads);
         return;
     }
     const int64_t blocks = K / QK;

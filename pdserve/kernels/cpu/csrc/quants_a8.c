@@ -112,7 +112,8 @@ int pd_quant_a8_gemm_generic(int kind, int8_t *q, const float *d, const float *s
 /*
  * y[M, N] = x[M, K] @ W^T with x quantized to int8 per block of 32 (the header). kind 0: Q4_1
  * rows, 1: Q8_0 blocks, as pd_quant_matmul takes them, 2 and 3 the same interleaved by 16 rows
- * (repack_a8.c; N a multiple of 16); x and y bf16 (flag 1) or fp32 (flag 0),
+ * (repack_a8.c; N a multiple of 16), 4-9 the kinds held as GGUF stores them (quants_k.h), 10-12
+ * GGUF's Q4_0, Q5_0, Q5_1 interleaved by 16 rows (repack_a8.c); x and y bf16 (flag 1) or fp32 (flag 0),
  * contiguous; K a multiple of 32. Returns 0, or -1 when its buffers could not be allocated
  * (nothing written then).
  */
@@ -133,7 +134,7 @@ int pd_quant_matmul_a8(int kind, const void *x, int x_is_bf16, int64_t M, int64_
     int status;
     if (is_k_kind(kind)) /* held as GGUF stores them (quants_k.c) */
         status = pd_quant_k_a8_gemm(kind, q, d, stride, M, K, w, N, y, y_is_bf16, threads);
-    else if (is_x16(kind)) /* rows interleaved by 16 (repack_a8.c) */
+    else if (is_x16(kind) || is_x16_gguf(kind)) /* rows interleaved by 16 (repack_a8.c) */
         status = pd_repack_a8_matmul(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);
     else
         status = pd_quant_a8_gemm(kind, q, d, s, stride, M, K, w, N, y, y_is_bf16, threads);

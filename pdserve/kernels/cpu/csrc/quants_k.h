@@ -65,29 +65,33 @@ static inline void k_scale_min(int s, const uint8_t *scales, int *sc, int *mn) {
     }
 }
 
+/* One block of 32 of Q4_0, Q5_0 or Q5_1 (d, (m), (qh), qs). */
+static inline void k_small_block(int kind, const uint8_t *block, SubBlock *out) {
+    const float d = fp16_to_fp32(k_u16(block));
+    float m = -8.0f * d;
+    const uint8_t *qs = block + 2;
+    uint32_t qh = 0;
+    if (kind == KIND_Q5_0) {
+        memcpy(&qh, block + 2, 4);
+        qs = block + 6;
+        m = -16.0f * d;
+    } else if (kind == KIND_Q5_1) {
+        m = fp16_to_fp32(k_u16(block + 2));
+        memcpy(&qh, block + 4, 4);
+        qs = block + 8;
+    }
+    for (int j = 0; j < 16; j++) {
+        out->q[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+        out->q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+    out->d[0] = out->d[1] = d;
+    out->m[0] = out->m[1] = m;
+}
+
 /* Sub-block s (0 .. K/32 - 1) of a row of `kind`. */
 static inline void k_sub_block(int kind, const uint8_t *row, int64_t s, SubBlock *out) {
-    if (kind <= KIND_Q5_1) { /* one block of 32: d, (m), (qh), qs */
-        const uint8_t *block = row + s * k_block_bytes(kind);
-        const float d = fp16_to_fp32(k_u16(block));
-        float m = -8.0f * d;
-        const uint8_t *qs = block + 2;
-        uint32_t qh = 0;
-        if (kind == KIND_Q5_0) {
-            memcpy(&qh, block + 2, 4);
-            qs = block + 6;
-            m = -16.0f * d;
-        } else if (kind == KIND_Q5_1) {
-            m = fp16_to_fp32(k_u16(block + 2));
-            memcpy(&qh, block + 4, 4);
-            qs = block + 8;
-        }
-        for (int j = 0; j < 16; j++) {
-            out->q[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
-            out->q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
-        }
-        out->d[0] = out->d[1] = d;
-        out->m[0] = out->m[1] = m;
+    if (kind <= KIND_Q5_1) { /* one block of 32 */
+        k_small_block(kind, row + s * k_block_bytes(kind), out);
         return;
     }
     const uint8_t *block = row + (s / 8) * k_block_bytes(kind);

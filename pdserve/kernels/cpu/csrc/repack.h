@@ -20,7 +20,8 @@ typedef struct {
     int64_t K, stride;
 } X16In;
 
-/* repack_a8.c / arch/x86/repack_a8.c: y[M, N] = x @ W^T for W Q4_1_X16 or Q8_0_X16, x quantized
+/* repack_a8.c / arch/x86/repack_a8.c: y[M, N] = x @ W^T for W interleaved (Q4_1_X16, Q8_0_X16,
+ * Q4_0_X16, Q5_0_X16, Q5_1_X16), x quantized
  * to int8 by quants_a8.c (pd_quant_matmul_a8 calls pd_repack_a8_matmul). */
 int pd_repack_a8_matmul(int kind, const int8_t *q, const float *d, const float *s, int64_t stride, int64_t M,
                         int64_t K, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads);
@@ -28,6 +29,11 @@ void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
                        int threads);
 void pd_repack_a8_gemm_generic(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                                int threads);
+
+/* repack_a8.c: rows of an interleaved GGUF kind (Q4_0_X16 ...) decoded; pd_quant_dequant's
+ * contract (quants.c's pd_quant_dequant_generic). */
+void pd_x16_gguf_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count, void *out,
+                         int out_is_bf16, int threads);
 
 #define Q8_0_OFFSET 128.0f /* u = q + 128 */
 

@@ -15,6 +15,7 @@
 #include "blocks.h"
 #include "quants.h"
 #include "quants_k.h"
+#include "repack.h"
 #include <omp.h>
 
 #define LUT_ROWS_PER_TILE 4 /* rows of x one decode of the lut route serves */
@@ -143,6 +144,10 @@ void pd_quant_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows
                       int out_is_bf16, int threads) {
     if (is_k_kind(kind)) { /* held as GGUF stores them */
         pd_quant_k_dequant(kind, w, K, rows, count, out, out_is_bf16, threads);
+        return;
+    }
+    if (is_x16_gguf(kind)) { /* GGUF's blocks interleaved */
+        pd_x16_gguf_dequant(kind, w, K, rows, count, out, out_is_bf16, threads);
         return;
     }
     const int64_t blocks = K / QK;

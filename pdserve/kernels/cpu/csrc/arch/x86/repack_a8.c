@@ -82,14 +82,78 @@ static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *grou
     for (int r = 0; r < rows; r++) out[r] = acc[r];
 }
 
-/* group_q4_1 / group_q8_0 with the rows a constant, so that the loops unroll into registers. */
+/* Lane v: the dword whose byte k is 16 where bit k of v is set. vpermd by four fifth bits (qh
+ * shifted to the low nibble of each lane; vpermd reads the index's low 4 bits only) gives the
+ * bytes to OR onto the four nibbles they belong to. */
+static const int32_t FIFTH_BITS[16] = {
+    0x00000000, 0x00000010, 0x00001000, 0x00001010, 0x00100000, 0x00100010, 0x00101000, 0x00101010,
+    0x10000000, 0x10000010, 0x10001000, 0x10001010, 0x10100000, 0x10100010, 0x10101000, 0x10101010,
+};
+
+/* GGUF's Q4_0 / Q5_0 / Q5_1 interleaved (repack_a8.c's header): Q4_1_X16's nibbles, the fifth bits
+ * ORed in from the qh vector, Q4_0's and Q5_0's offsets taken back by x.start, Q5_1's minima as
+ * Q4_1's. */
+static inline __attribute__((always_inline)) void group_gguf(int kind, const uint8_t *group, X16In x, int rows,
+                                                             __m512 *out) {
+    const int64_t blocks = x.K / QK;
+    const int has_qh = kind != KIND_Q4_0_X16, has_min = kind == KIND_Q5_1_X16;
+    const int64_t chunk_bytes = X16 * block_bytes(kind);
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_loadu_si512(FIFTH_BITS);
+    __m512 acc[X16_ROWS], mins[X16_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = mins[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = group + b * chunk_bytes;
+        for (int line = 0; line < chunk_bytes / 64; line++)
+            _mm_prefetch((const char *)chunk + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+        __m512i lo[4], hi[4];
+        for (int i = 0; i < 4; i++) {
+            const __m512i bytes = _mm512_loadu_si512(chunk + 64 * i);
+            lo[i] = _mm512_and_si512(bytes, low);
+            hi[i] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        }
+        if (has_qh) {
+            const __m512i qh = _mm512_loadu_si512(chunk + 256);
+            for (int i = 0; i < 4; i++) {
+                lo[i] = _mm512_or_si512(lo[i], _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 4 * i), fifth));
+                hi[i] = _mm512_or_si512(hi[i], _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, 16 + 4 * i), fifth));
+            }
+        }
+        const uint8_t *scales = chunk + 256 + 64 * has_qh;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)))
+                                 : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xq = x.q + r * x.K + b * QK;
+            __m512i first = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(x.start[r * blocks + b]);
+            __m512i second = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                first = _mm512_dpbusd_epi32(first, lo[i], broadcast_u32(xq + 4 * i));
+                second = _mm512_dpbusd_epi32(second, hi[i], broadcast_u32(xq + 16 + 4 * i));
+            }
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
+            if (has_min) mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = has_min ? _mm512_add_ps(acc[r], mins[r]) : acc[r];
+}
+
+/* group_q4_1 / group_q8_0 / group_gguf with the kind and rows constants, so that the loops unroll
+ * into registers. */
 static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int rows, __m512 *out) {
 #define X16_GROUP(ROWS)                                                                 \
     do {                                                                                \
         if (kind == KIND_Q4_1_X16)                                                      \
             group_q4_1(group, x, ROWS, out);                                            \
-        else                                                                            \
+        else if (kind == KIND_Q8_0_X16)                                                 \
             group_q8_0(group, x, ROWS, out);                                            \
+        else if (kind == KIND_Q4_0_X16)                                                 \
+            group_gguf(KIND_Q4_0_X16, group, x, ROWS, out);                             \
+        else if (kind == KIND_Q5_0_X16)                                                 \
+            group_gguf(KIND_Q5_0_X16, group, x, ROWS, out);                             \
+        else                                                                            \
+            group_gguf(KIND_Q5_1_X16, group, x, ROWS, out);                             \
         return;                                                                         \
     } while (0)
     switch (rows) {
