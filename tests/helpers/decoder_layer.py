@@ -3,14 +3,18 @@ fused-layer tests and the interleaved-kernel tests run the fused C call and the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGML
+from torch import nn
 
 from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.gguf_blocks import to_kernel_blocks
 from pdserve.engine.model.layers.attention import AttentionMetadata
+from pdserve.engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from pdserve.engine.model.layers.quant_linear import QuantLinear
 from pdserve.engine.model.llama import LlamaDecoderLayer
 from pdserve.engine.model.weights import use_int8_activations
@@ -74,18 +78,25 @@ def quantized_layer(
     int8_activations: bool = False,
     sliding_window: int | None = None,
     config: ModelArchConfig = CONFIG,
-) -> LlamaDecoderLayer:
+    layer_class: type[nn.Module] = LlamaDecoderLayer,
+    layer_index: int = 0,
+) -> Any:
     """A decoder layer of ``config`` with random weights, its projections held as ``ggml_type``
     blocks, or each part (``q k v o gate up down``) as its entry of a dict, as llama.cpp's mixed
     "_M" files hold them (a fused projection of parts of different types is held in parts);
     quantizing their activations to int8 with ``int8_activations`` (``--quantization gguf-a8``),
-    and attending through ``sliding_window`` as Mistral's layers do."""
-    config = ModelArchConfig(**{**config.to_dict(), "attention_bias": bias, "sliding_window": sliding_window})
+    and attending through ``sliding_window`` as Mistral's layers do. ``layer_class``: another
+    family's layer (Qwen3's, Gemma 3's), ``layer_index`` its place (Gemma 3's sliding layers)."""
+    config = ModelArchConfig(**{**config.to_dict(), "attention_bias": bias})
+    if sliding_window is not None:
+        config = ModelArchConfig(**{**config.to_dict(), "sliding_window": sliding_window})
     gen = torch.Generator().manual_seed(seed)
-    layer = LlamaDecoderLayer(config)
+    layer = layer_class(config, layer_index)
     with torch.no_grad():
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=gen))
+        for norm in layer.modules():  # Gemma's weight w scales by 1 + w
+            if isinstance(norm, RMSNorm):
+                base = 0.0 if isinstance(norm, GemmaRMSNorm) else 1.0
+                norm.weight.copy_(base + 0.1 * torch.randn(norm.weight.shape, generator=gen))
     layer = layer.to(dtype)
     attn, mlp = layer.self_attn, layer.mlp
     for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
@@ -116,10 +127,17 @@ def quantized_layer(
     return layer.eval()
 
 
-def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1, config: ModelArchConfig = CONFIG):
+def decode_inputs(
+    rows: int,
+    dtype: torch.dtype,
+    seed: int = 1,
+    config: ModelArchConfig = CONFIG,
+    thetas: tuple[float, ...] = (CONFIG.rope_theta,),
+):
     """``(hidden, cos, sin_signed, cache, meta)`` for ``rows`` decode tokens of sequences with
     contexts of different lengths over a two-layer cache (the layer's view steps over the
-    other layer, as the engine's does), whose earlier positions hold random K/V."""
+    other layer, as the engine's does), whose earlier positions hold random K/V; a RoPE table
+    per base of ``thetas`` (Gemma 3: the global one, then the local one)."""
     gen = torch.Generator().manual_seed(seed)
     kv_heads, head_dim = CONFIG.num_kv_heads, CONFIG.head_dim
     cache = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
@@ -133,10 +151,13 @@ def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1, config: ModelArc
         tables.append(blocks + [0] * (width - len(blocks)))
         slots.append(blocks[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
     positions = torch.tensor([n - 1 for n in lens])
-    inv_freq = 1.0 / (CONFIG.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(positions.float(), inv_freq)
-    cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype).unsqueeze(1)
-    sin_signed = torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype).unsqueeze(1)
+    cos_tables, sin_tables = [], []
+    for theta in thetas:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        freqs = torch.outer(positions.float(), inv_freq)
+        cos_tables.append(torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype))
+        sin_tables.append(torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype))
+    cos, sin_signed = torch.stack(cos_tables, 1), torch.stack(sin_tables, 1)  # [rows, tables, D]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=rows,
@@ -150,7 +171,7 @@ def decode_inputs(rows: int, dtype: torch.dtype, seed: int = 1, config: ModelArc
     return hidden, cos, sin_signed, cache, meta
 
 
-def per_op(layer: LlamaDecoderLayer, *args) -> torch.Tensor:
+def per_op(layer: Any, *args) -> torch.Tensor:
     """The layer run op by op, as without the fused kernel."""
     fused, asked = layer._fused, layer._fused_asked
     layer._fused, layer._fused_asked = None, True

@@ -14,7 +14,9 @@ What differs from Llama (``llama.py``), each from ``layers/``:
   says) over every key. ``embed`` hands out both tables; each layer reads its own;
 * logits may be soft-capped (``final_logit_softcapping``; None for Gemma 3).
 
-These layers run op by op: the fused one-call C decoder layer is Llama's structure only.
+A decode batch runs each layer as one C call (``kernels/cpu/csrc/decoder_layer.c``, which has
+each of these parts), as Llama's does; prefill chunks run op by op, through the same C norms and
+GeGLU where they serve.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from pdserve.engine.model.arch import ModelArchConfig
 from pdserve.engine.model.layers.activation import gelu_tanh_and_mul
 from pdserve.engine.model.layers.attention import AttentionMetadata
 from pdserve.engine.model.layers.norm import GemmaRMSNorm, norm_qk_heads
+from pdserve.engine.model.layers.quant_linear import KERNEL_MAX_ROWS
 from pdserve.engine.model.layers.rotary import rope_tables
-from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pdserve.engine.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, fusable_projections
 from pdserve.kernels.cpu import decoder_layer as cpu_decoder_layer
 
 # Which of ``Gemma3ForCausalLM.rope_tables`` a layer rotates by.
@@ -67,9 +70,38 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.mlp = LlamaMLP(config, gelu_tanh_and_mul)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self._fused: cpu_decoder_layer.PreparedLayer | None = None
+        self._fused_asked = False
 
     def fused(self) -> cpu_decoder_layer.PreparedLayer | None:
-        return None  # the C decoder layer is Llama's structure only
+        """The layer as ``cpu_decoder_layer`` runs it in one C call (``LlamaDecoderLayer.fused``'s
+        conditions), its norms' ``1 + w`` in float32, its own RoPE table and window."""
+        if not self._fused_asked:
+            self._fused_asked = True
+            attn = self.self_attn
+            norms = (
+                self.input_layernorm,
+                self.post_attention_layernorm,
+                self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm,
+                attn.q_norm,
+                attn.k_norm,
+            )
+            held = fusable_projections(attn, self.mlp, norms)
+            if held is not None:
+                self._fused = cpu_decoder_layer.PreparedLayer(
+                    **held,
+                    input_norm=self.input_layernorm.scale(),
+                    post_norm=self.pre_feedforward_layernorm.scale(),
+                    q_norm=attn.q_norm.scale(),
+                    k_norm=attn.k_norm.scale(),
+                    post_attention_norm=self.post_attention_layernorm.scale(),
+                    post_feedforward_norm=self.post_feedforward_layernorm.scale(),
+                    activation="gelu_tanh",
+                    rope_table=attn.rope_table,
+                    dtype=self.input_layernorm.weight.dtype,
+                )
+        return self._fused
 
     def forward(
         self,
@@ -79,6 +111,11 @@ class Gemma3DecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        fused = self.fused()
+        if fused is not None and cpu_decoder_layer.serves(
+            fused, hidden, cos, kv_cache_layer, meta, max_rows=KERNEL_MAX_ROWS
+        ):
+            return cpu_decoder_layer.decoder_layer(fused, hidden, cos, sin_signed, kv_cache_layer, meta)
         attended = self.self_attn(self.input_layernorm(hidden), cos, sin_signed, kv_cache_layer, meta)
         hidden, normed = self.pre_feedforward_layernorm.add_and_norm(
             hidden, self.post_attention_layernorm(attended)

@@ -17,8 +17,8 @@ convert, and ``weights.build_model`` builds the model from a state dict.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -130,32 +130,15 @@ class LlamaDecoderLayer(nn.Module):
         place (the first forward pass)."""
         if not self._fused_asked:
             self._fused_asked = True
-            attn, mlp = self.self_attn, self.mlp
-            projections: tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            held = [p for p in projections if isinstance(p, QuantLinear) and p.use_kernel]
-            blocks = [cpu_decoder_layer.BlockWeight(tuple(p.parts)) for p in held]
-            if (
-                len(blocks) == len(projections)
-                and len({p.int8_activations for p in held}) == 1
-                and all(p.bias is None for p in projections[1:])
-                and self.input_layernorm.eps == self.post_attention_layernorm.eps
-                and cpu_decoder_layer.available()
-            ):
+            held = fusable_projections(
+                self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
+            )
+            if held is not None:
                 self._fused = cpu_decoder_layer.PreparedLayer(
-                    heads=attn.num_heads,
-                    kv_heads=attn.num_kv_heads,
-                    head_dim=attn.head_dim,
-                    intermediate=mlp.intermediate_size,
-                    eps=self.input_layernorm.eps,
+                    **held,
                     input_norm=self.input_layernorm.weight,
                     post_norm=self.post_attention_layernorm.weight,
-                    qkv=blocks[0],
-                    o=blocks[1],
-                    gate_up=blocks[2],
-                    down=blocks[3],
-                    qkv_bias=attn.qkv_proj.bias,
-                    int8_activations=held[0].int8_activations,
-                    sliding_window=attn.sliding_window,
+                    qkv_bias=self.self_attn.qkv_proj.bias,
                 )
         return self._fused
 
@@ -175,6 +158,41 @@ class LlamaDecoderLayer(nn.Module):
         attended = self.self_attn(self.input_layernorm(hidden), cos, sin_signed, kv_cache_layer, meta)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
         return hidden + self.mlp(normed)
+
+
+def fusable_projections(
+    attn: LlamaAttention, mlp: LlamaMLP, norms: Sequence[RMSNorm]
+) -> dict[str, Any] | None:
+    """What a layer's ``cpu_decoder_layer.PreparedLayer`` takes of its attention and MLP (shapes,
+    the four projections' blocks, int8 activations, the window and scale), or None when the C
+    layer cannot run it: its four projections must be block-held ones the C kernel reads
+    (``--quantization``), of any kinds and mix of kinds, alike in their activations, with a bias
+    on q/k/v at most, and its ``norms`` must share one eps."""
+    projections: tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    held = [p for p in projections if isinstance(p, QuantLinear) and p.use_kernel]
+    if not (
+        len(held) == len(projections)
+        and len({p.int8_activations for p in held}) == 1
+        and all(p.bias is None for p in projections[1:])
+        and len({norm.eps for norm in norms}) == 1
+        and cpu_decoder_layer.available()
+    ):
+        return None
+    blocks = [cpu_decoder_layer.BlockWeight(tuple(p.parts)) for p in held]
+    return {
+        "heads": attn.num_heads,
+        "kv_heads": attn.num_kv_heads,
+        "head_dim": attn.head_dim,
+        "intermediate": mlp.intermediate_size,
+        "eps": norms[0].eps,
+        "qkv": blocks[0],
+        "o": blocks[1],
+        "gate_up": blocks[2],
+        "down": blocks[3],
+        "int8_activations": held[0].int8_activations,
+        "sliding_window": attn.sliding_window,
+        "scale": attn.scale,
+    }
 
 
 class LlamaModel(nn.Module):

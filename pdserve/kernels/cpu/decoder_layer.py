@@ -84,7 +84,18 @@ class LayerArgs(ctypes.Structure):
         ("gate_up", WeightArgs),
         ("down", WeightArgs),
         ("int8_activations", ctypes.c_int32),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("post_attention_norm", ctypes.c_void_p),
+        ("post_feedforward_norm", ctypes.c_void_p),
+        ("norm_weight_f32", ctypes.c_int32),
+        ("activation", ctypes.c_int32),
+        ("rope_table", ctypes.c_int32),
     ]
+
+
+# decoder_layer.c's activations of the gated MLP
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -122,7 +133,15 @@ class PreparedLayer:
 
     ``sliding_window``: the layer's attention window ``W`` (``kernels.paged_attention_decode``'s:
     a token at ``p`` sees ``p - W < k <= p``), ``None`` or 0 for full attention. Per layer: the
-    layers of one ``PreparedLayers`` run may differ in it (they share every other shape).
+    layers of one ``PreparedLayers`` run may differ in it (they share every other shape), and in
+    ``rope_table`` (which of the pass's RoPE tables the layer rotates by: Gemma 3's local and
+    global bases).
+
+    Other families' parts: ``q_norm`` / ``k_norm`` (``[head_dim]``, qk-norm before RoPE: Qwen3,
+    Gemma 3), ``post_attention_norm`` / ``post_feedforward_norm`` (``[hidden]``, a branch's norm
+    before it joins the residual: Gemma 3), ``activation`` (``"silu"`` or ``"gelu_tanh"``) and
+    ``scale`` (the attention's, ``head_dim ** -0.5`` unless given). Norm weights are in the
+    activations' dtype (Llama's form), or all float32 (Gemma's ``1 + w``: the product rounded once).
     """
 
     def __init__(
@@ -142,34 +161,61 @@ class PreparedLayer:
         qkv_bias: torch.Tensor | None = None,
         int8_activations: bool = False,
         sliding_window: int | None = None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        post_attention_norm: torch.Tensor | None = None,
+        post_feedforward_norm: torch.Tensor | None = None,
+        activation: str = "silu",
+        scale: float | None = None,
+        rope_table: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        norms = (input_norm.detach().contiguous(), post_norm.detach().contiguous())
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("qk-norm needs both q_norm and k_norm")
+        if (post_attention_norm is None) != (post_feedforward_norm is None):
+            raise ValueError("post-norms come as a pair: post_attention_norm and post_feedforward_norm")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: one of {sorted(ACTIVATIONS)}")
+        given = (input_norm, post_norm, q_norm, k_norm, post_attention_norm, post_feedforward_norm)
+        norms = tuple(None if n is None else n.detach().contiguous() for n in given)
         bias = None if qkv_bias is None else qkv_bias.detach().contiguous()
-        self.dtype = norms[0].dtype
-        if norms[1].dtype != self.dtype or (bias is not None and bias.dtype != self.dtype):
-            raise ValueError("the fused layer's norms and bias must share the activations' dtype")
+        self.dtype = dtype or input_norm.dtype  # the activations'
+        norm_dtypes = {n.dtype for n in norms if n is not None}
+        weight_f32 = norm_dtypes == {torch.float32} and self.dtype != torch.float32
+        if not (norm_dtypes == {self.dtype} or weight_f32) or (bias is not None and bias.dtype != self.dtype):
+            raise ValueError(
+                "the fused layer's norms (or all float32) and bias must share the activations' dtype"
+            )
         weights = (qkv, o, gate_up, down)
         held = [blocks for weight in weights for _, blocks in weight.parts]
         if any(blocks.dtype != torch.uint8 or not blocks.is_contiguous() for blocks in held):
             raise ValueError("the fused layer's weights must be contiguous uint8 block rows")
-        self._alive = [*norms, *held, *([] if bias is None else [bias])]
+        self._alive = [*(n for n in norms if n is not None), *held, *([] if bias is None else [bias])]
+        pointer = [None if n is None else n.data_ptr() for n in norms]
         self.args = LayerArgs(
-            hidden=norms[0].numel(),
+            hidden=input_norm.numel(),
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate=intermediate,
             sliding_window=window_size(sliding_window),
             eps=eps,
-            scale=head_dim**-0.5,
-            input_norm=norms[0].data_ptr(),
-            post_norm=norms[1].data_ptr(),
+            scale=head_dim**-0.5 if scale is None else scale,
+            input_norm=pointer[0],
+            post_norm=pointer[1],
             qkv_bias=None if bias is None else bias.data_ptr(),
             qkv=qkv.args(),
             o=o.args(),
             gate_up=gate_up.args(),
             down=down.args(),
             int8_activations=int(int8_activations),
+            q_norm=pointer[2],
+            k_norm=pointer[3],
+            post_attention_norm=pointer[4],
+            post_feedforward_norm=pointer[5],
+            norm_weight_f32=int(weight_f32),
+            activation=ACTIVATIONS[activation],
+            rope_table=rope_table,
         )
 
 
@@ -224,6 +270,12 @@ def _shape(args: LayerArgs) -> tuple[int | float, ...]:
     return (args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.eps, args.scale)
 
 
+def _tables_first(table: torch.Tensor) -> torch.Tensor:
+    """A pass's RoPE table ``[rows, tables, head_dim]`` as decoder_layer.c reads it: ``[tables,
+    rows, head_dim]``, contiguous (each layer's table one block)."""
+    return table.transpose(0, 1).contiguous()
+
+
 class FusedPass:
     """A decode pass's tensors as the C side reads them, marshalled once for the pass: each run
     of layers in it (between two of the engine's input polls, or all of them) is then one C call
@@ -232,13 +284,13 @@ class FusedPass:
     def __init__(
         self,
         layers: PreparedLayers,
-        cos: torch.Tensor,  # [rows, 1, head_dim], the activations' dtype
+        cos: torch.Tensor,  # [rows, tables, head_dim], the activations' dtype
         sin_signed: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         meta: DecodeMetadata,
     ) -> None:
         self.layers = layers
-        self.cos, self.sin_signed = cos.contiguous(), sin_signed.contiguous()
+        self.cos, self.sin_signed = _tables_first(cos), _tables_first(sin_signed)
         self.kv_cache = kv_cache
         self.slots = meta.slot_mapping.to(torch.int64).contiguous()
         self.tables = meta.decode_block_tables.to(torch.int32).contiguous()
@@ -280,7 +332,7 @@ class FusedPass:
 def decoder_layer(
     prepared: PreparedLayer,
     hidden: torch.Tensor,  # [rows, hidden]: one decode token per sequence
-    cos: torch.Tensor,  # [rows, 1, head_dim], hidden's dtype
+    cos: torch.Tensor,  # [rows, tables, head_dim], hidden's dtype
     sin_signed: torch.Tensor,
     kv_cache_layer: torch.Tensor,  # [num_blocks, 2, block_size, kv_heads, head_dim]
     meta: DecodeMetadata,

@@ -27,15 +27,17 @@ MAX_DIM = 16384  # the C side's MAX_DIM: a hidden size or head_dim it takes
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.pd_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint]
+    lib.pd_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, cint, cint]
     lib.pd_rms_norm.restype = None
     lib.pd_rope_and_cache.argtypes = [ptr, cint, i64, i64, i64, i64, ptr, ptr, ptr, cint, ptr, i64, i64, i64]
     lib.pd_rope_and_cache.restype = None
     lib.pd_silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
     lib.pd_silu_mul.restype = None
+    lib.pd_gelu_tanh_mul.argtypes = [ptr, ptr, i64, i64, cint]
+    lib.pd_gelu_tanh_mul.restype = None
 
 
-KERNELS = CLibrary(("layer_ops",), _declare, "layer ops (RMSNorm, RoPE, KV write, SiLU x up)")
+KERNELS = CLibrary(("layer_ops",), _declare, "layer ops (RMSNorm, RoPE, KV write, SiLU / GELU x up)")
 
 
 def serves(x: torch.Tensor) -> bool:
@@ -55,8 +57,13 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, weight * norm(s))`` with ``s = x`` or, given ``delta``, ``s = x + delta`` (a new
-    tensor); rows are the last dimension. ``x``, ``delta`` and ``weight`` share a dtype."""
-    if weight.dtype != x.dtype or (delta is not None and (delta.dtype != x.dtype or delta.shape != x.shape)):
+    tensor); rows are the last dimension. ``x`` and ``delta`` share a dtype; ``weight`` has it
+    too (Llama's form: the normed value rounded to it first), or is float32 (Gemma's: the product
+    rounded once)."""
+    weight_f32 = weight.dtype == torch.float32
+    if (weight.dtype != x.dtype and not weight_f32) or (
+        delta is not None and (delta.dtype != x.dtype or delta.shape != x.shape)
+    ):
         raise ValueError(
             f"rms_norm: x {x.dtype}, weight {weight.dtype}, delta {None if delta is None else delta.dtype}"
         )
@@ -77,6 +84,7 @@ def rms_norm(
         dim,
         eps,
         int(x.dtype == torch.bfloat16),
+        int(weight_f32),
     )
     return summed, out
 
@@ -127,6 +135,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     act = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     KERNELS.load().pd_silu_mul(
+        gate_up.data_ptr(), act.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16)
+    )
+    return act
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(gate, approximate="tanh") * up`` for ``gate_up`` = ``[rows, 2 * inter]`` (Gemma's
+    GeGLU), rounded as torch rounds them, with layer_ops.c's exp (the fused decoder layer's)."""
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gelu_tanh_mul: gate_up width {width} is not gate + up")
+    gate_up = gate_up.contiguous()
+    act = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    KERNELS.load().pd_gelu_tanh_mul(
         gate_up.data_ptr(), act.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16)
     )
     return act

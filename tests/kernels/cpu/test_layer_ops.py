@@ -2,8 +2,8 @@
 
 RoPE, the KV write and bf16 RMSNorm must be bit-identical to the torch path (``rotary.apply_rope``,
 ``reference.reshape_and_cache_ref``, ``norm.RMSNorm``'s torch branch); fp32 RMSNorm may differ by
-a rounding of its scale (another order of the sum of squares). SiLU x up uses its own exp, within
-a few fp32 ulps of torch's. The model falls back to torch where the library cannot be had or a
+a rounding of its scale (another order of the sum of squares); so may Gemma's (``1 + w`` in fp32, one
+rounding). SiLU x up and GELU(tanh) x up use their own exp, within a few fp32 ulps of torch's. The model falls back to torch where the library cannot be had or a
 backend is forced.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.model.layers.norm import RMSNorm
+from pdserve.engine.model.layers.norm import GemmaRMSNorm, RMSNorm
 from pdserve.engine.model.layers.rotary import apply_rope
 from pdserve.kernels import reference
 from pdserve.kernels.cpu import build as cpu_build
@@ -94,6 +94,55 @@ def test_silu_times_up_matches_torch(dtype, inter):
     assert got[0, 2] == gate_up[0, inter + 2] * 90.0  # silu(90) is 90 in fp32
     # the C pass reads only its own row: a row alone gives what it gives among others
     assert torch.equal(cpu_layer_ops.silu_mul(gate_up[3:4]), got[3:4])
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden", [640, 256, 13])
+def test_gemmas_norm_scales_by_one_plus_w_in_fp32_and_rounds_once(dtype, hidden, monkeypatch):
+    """Gemma 3's norm (``GemmaRMSNorm``): the fp32 weight ``1 + w`` multiplies the unrounded normed
+    value, rounded once to the dtype (Llama's rounds the normed value first)."""
+    gen = torch.Generator().manual_seed(hidden)
+    norm = GemmaRMSNorm(hidden, 1e-6)
+    norm.weight.data = 0.5 * torch.randn(hidden, generator=gen)
+    norm = norm.to(dtype)
+    x = (torch.randn(5, hidden, generator=gen) * 3).to(dtype)
+    delta = torch.randn(5, hidden, generator=gen).to(dtype)
+    with torch.inference_mode():
+        want_sum = x + delta
+        want = _torch_norm(norm, want_sum, monkeypatch)  # F.rms_norm in fp32, then rounded
+        summed, got = norm.add_and_norm(x, delta)
+        alone = norm(want_sum)
+    assert torch.equal(summed, want_sum)
+    assert torch.equal(got, alone)
+    if dtype == torch.bfloat16:  # the sum of squares' order may move a value by a rounding, rarely
+        assert (got != want).float().mean() < 1e-2
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-30)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    llama_form = cpu_layer_ops.rms_norm(want_sum, norm.scale().to(dtype), 1e-6)[1]
+    if dtype == torch.bfloat16:  # two roundings, not one: not the same numbers
+        assert not torch.equal(llama_form, got)
+
+
+@DTYPES
+@pytest.mark.parametrize("inter", [2048, 40, 7])
+def test_gelu_tanh_times_up_matches_torch(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 60.0, -60.0])  # zero, tanh's saturation on both sides
+    got = cpu_layer_ops.gelu_tanh_mul(gate_up)
+    gelu = torch.nn.functional.gelu(gate_up[:, :inter], approximate="tanh")
+    want = gelu * gate_up[:, inter:]
+    assert got.dtype == dtype and got.shape == (5, inter)
+    body = gate_up[:, :inter].float() > -3  # below, 1 + tanh is 1 minus nearly 1 (cancels) in both
+    if dtype == torch.bfloat16:  # each GELU rounded to bf16 before the product, as torch does
+        assert torch.equal(got[body], want[body])
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2 * float(want.abs().max()))
+    else:  # tanh through exp: within a few fp32 roundings where nothing cancels
+        torch.testing.assert_close(got[body], want[body], rtol=4e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6 * float(want.abs().max()))
+    assert got[0, 2] == gate_up[0, inter + 2] * 60.0 and got[0, 3] == 0  # gelu(60) = 60, gelu(-60) = -0
+    assert torch.equal(cpu_layer_ops.gelu_tanh_mul(gate_up[3:4]), got[3:4])
 
 
 def test_the_mlp_runs_silu_times_up_in_c_where_it_can(monkeypatch):

@@ -19,6 +19,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU (Gemma): ``gelu(gate, approximate="tanh") * up``, HF's ``gelu_pytorch_tanh``."""
+    """GeGLU (Gemma): ``gelu(gate, approximate="tanh") * up``, HF's ``gelu_pytorch_tanh``; one C
+    pass where ``cpu_layer_ops`` serves (the fused decoder layer's, ``layer_ops.c``)."""
+    if cpu_layer_ops.serves(gate_up):
+        return cpu_layer_ops.gelu_tanh_mul(gate_up)
     size = gate_up.shape[-1] // 2
     return F.gelu(gate_up[..., :size], approximate="tanh") * gate_up[..., size:]

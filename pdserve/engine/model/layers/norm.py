@@ -47,16 +47,19 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(size, eps)
         self.weight = nn.Parameter(torch.zeros(size))
 
+    def scale(self) -> torch.Tensor:
+        """``1 + weight`` in float32: what multiplies the normed value (the fused layer's weight)."""
+        return 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 + self.weight.float()
-        if x.dtype == torch.float32 and cpu_layer_ops.serves(x):
-            return cpu_layer_ops.rms_norm(x, scale, self.eps)[1]  # one C call (layer_ops.c)
-        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+        if cpu_layer_ops.serves(x):  # fp32 or bf16: one C call (layer_ops.c), the product rounded once
+            return cpu_layer_ops.rms_norm(x, self.scale(), self.eps)[1]
+        return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, self(x + delta))``, one C call for float32 where ``cpu_layer_ops`` serves."""
-        if x.dtype == delta.dtype == torch.float32 and cpu_layer_ops.serves(x):
-            return cpu_layer_ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, delta=delta)
+        """``(x + delta, self(x + delta))``, one C call where ``cpu_layer_ops`` serves."""
+        if x.dtype == delta.dtype and cpu_layer_ops.serves(x):
+            return cpu_layer_ops.rms_norm(x, self.scale(), self.eps, delta=delta)
         summed = x + delta
         return summed, self(summed)
 
@@ -67,5 +70,6 @@ def norm_qk_heads(
     """qk-norm: ``q_norm`` over each query head and ``k_norm`` over each key head of ``qkv``
     (``[T, heads + 2 * kv_heads, head_dim]``: q, k, v heads), in place, before RoPE; v as it is."""
     end_k = num_heads + num_kv_heads
-    qkv[:, :num_heads] = q_norm(qkv[:, :num_heads])
-    qkv[:, num_heads:end_k] = k_norm(qkv[:, num_heads:end_k])
+    # Each part contiguous, so that a decode batch takes the C norm as the fused layer does.
+    qkv[:, :num_heads] = q_norm(qkv[:, :num_heads].contiguous())
+    qkv[:, num_heads:end_k] = k_norm(qkv[:, num_heads:end_k].contiguous())

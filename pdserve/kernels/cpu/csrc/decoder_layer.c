@@ -18,12 +18,18 @@
  *
  *   normed = rms_norm(h)                       input_layernorm
  *   qkv    = normed @ Wqkv^T (+ bias)          self_attn.qkv_proj
- *   RoPE on q, k; k, v into the cache          pd_rope_and_cache
+ *   [q, k heads each rms_norm'd]               qk-norm (Qwen3, Gemma 3)
+ *   RoPE on q, k; k, v into the cache          pd_rope_and_cache (the layer's table)
  *   attn   = paged decode attention(q)         pd_paged_decode_attention (the layer's window)
- *   h'     = h + attn @ Wo^T                   residual
- *   normed = rms_norm(h')                      post_attention_layernorm
- *   act    = silu(gate) * up, [gate up] = normed @ Wgate_up^T
- *   out    = h' + act @ Wdown^T
+ *   o      = attn @ Wo^T [then rms_norm'd]     (Gemma 3's post_attention_layernorm)
+ *   h'     = h + o                             residual
+ *   normed = rms_norm(h')                      post_attention_layernorm (Gemma 3: pre_feedforward)
+ *   act    = silu(gate) * up, [gate up] = normed @ Wgate_up^T   (Gemma 3: gelu_tanh)
+ *   out    = h' + act @ Wdown^T [rms_norm'd]   (Gemma 3's post_feedforward_layernorm)
+ *
+ * Gemma 3's norms scale by 1 + w in fp32 and round once (pd_rms_norm's weight_f32); Llama's
+ * round the normed value to the dtype first. With none of the bracketed parts it is Llama's
+ * layer (Mistral's and Qwen2's: a window, a q/k/v bias).
  *
  * Built at first use with the host compiler and -march=native together with the sources it
  * calls (pdserve/kernels/cpu/build.py).
@@ -60,7 +66,20 @@ struct PdDecoderLayer {
     const void *qkv_bias;               /* [(heads + 2 * kv_heads) * head_dim] or NULL */
     PdWeight qkv, o, gate_up, down;
     int32_t int8_activations;
+    /* Qwen3's and Gemma 3's parts (NULL and 0 for Llama's layer): */
+    const void *q_norm, *k_norm;                            /* [head_dim] qk-norm, or NULL */
+    const void *post_attention_norm, *post_feedforward_norm; /* [hidden] (Gemma 3), or NULL */
+    int32_t norm_weight_f32; /* every norm's weight fp32, the product rounded once (Gemma 3) */
+    int32_t activation;      /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+    int32_t rope_table;      /* which of the pass's RoPE tables the layer rotates by */
 };
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
+
+/* The layer's RMSNorm (pd_rms_norm's contract), in its family's form. */
+static void norm(const PdDecoderLayer *layer, const void *x, const void *delta, void *sum_out, const void *weight,
+                 void *out, int64_t rows, int64_t dim, int is_bf16) {
+    pd_rms_norm(x, delta, sum_out, weight, out, rows, dim, layer->eps, is_bf16, layer->norm_weight_f32);
+}
 
 /* pd_quant_matmul, or pd_quant_matmul_a8 when the layer's activations go to int8. Returns 0, or
  * what the kernel returned otherwise (-1: its buffers could not be allocated). */
@@ -133,7 +152,7 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
     char *act = gate_up + rows * 2 * I * es, *part_out = act + rows * I * es;
 
     int status = 0;
-    pd_rms_norm(hidden_in, NULL, NULL, layer->input_norm, normed, rows, H, layer->eps, is_bf16);
+    norm(layer, hidden_in, NULL, NULL, layer->input_norm, normed, rows, H, is_bf16);
     status |= project(layer, &layer->qkv, normed, is_bf16, rows, H, qkv_width, qkv, part_out, threads);
     if (status) return status; /* before the cache is written */
     if (layer->qkv_bias != NULL)
@@ -141,19 +160,33 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
             for (int64_t n = 0; n < qkv_width; n++)
                 put_f32(qkv, is_bf16, r * qkv_width + n,
                     get_f32(qkv, is_bf16, r * qkv_width + n) + get_f32(layer->qkv_bias, is_bf16, n));
-    pd_rope_and_cache(qkv, is_bf16, rows, heads, kv_heads, D, cos, sin_signed, cache, cache_is_bf16, slots,
-                      block_size, block_stride, half_stride);
+    if (layer->q_norm != NULL) /* each q head, then each k head, in place */
+        for (int64_t r = 0; r < rows; r++) {
+            char *row = qkv + r * qkv_width * es;
+            norm(layer, row, NULL, NULL, layer->q_norm, row, heads, D, is_bf16);
+            norm(layer, row + q_width * es, NULL, NULL, layer->k_norm, row + q_width * es, kv_heads, D, is_bf16);
+        }
+    const size_t table = (size_t)(layer->rope_table * rows * D) * es; /* cos, sin: [tables, rows, D] */
+    pd_rope_and_cache(qkv, is_bf16, rows, heads, kv_heads, D, (const char *)cos + table,
+                      (const char *)sin_signed + table, cache, cache_is_bf16, slots, block_size, block_stride,
+                      half_stride);
     for (int64_t r = 0; r < rows; r++) /* the q heads of each row, contiguous for the attention */
         memcpy(q + r * q_width * es, qkv + r * qkv_width * es, (size_t)q_width * es);
     pd_paged_decode_attention(q, is_bf16, cache, cache_is_bf16, rows, heads, kv_heads, D, block_size, block_stride,
                               block_tables, max_blocks, seq_lens, layer->sliding_window, layer->scale, attn,
                               scratch->scores, max_len, attn_threads);
     status |= project(layer, &layer->o, attn, is_bf16, rows, q_width, H, o, part_out, threads);
+    if (layer->post_attention_norm != NULL) norm(layer, o, NULL, NULL, layer->post_attention_norm, o, rows, H, is_bf16);
     /* hidden_out = hidden_in + o, and its norm (one pass: vLLM's fused_add_rms_norm) */
-    pd_rms_norm(hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, layer->eps, is_bf16);
+    norm(layer, hidden_in, o, hidden_out, layer->post_norm, normed, rows, H, is_bf16);
     status |= project(layer, &layer->gate_up, normed, is_bf16, rows, H, 2 * I, gate_up, part_out, threads);
-    pd_silu_mul(gate_up, act, rows, I, is_bf16);
+    if (layer->activation == ACTIVATION_GELU_TANH)
+        pd_gelu_tanh_mul(gate_up, act, rows, I, is_bf16);
+    else
+        pd_silu_mul(gate_up, act, rows, I, is_bf16);
     status |= project(layer, &layer->down, act, is_bf16, rows, I, H, o, part_out, threads);
+    if (layer->post_feedforward_norm != NULL)
+        norm(layer, o, NULL, NULL, layer->post_feedforward_norm, o, rows, H, is_bf16);
     add_into(hidden_out, o, is_bf16, rows * H);
     return status;
 }
@@ -164,7 +197,8 @@ static int run_layer(const PdDecoderLayer *layer, const LayerScratch *scratch, i
  * layer_stride elements (the engine's cache holds every layer of a block together), so a run of
  * layers is one call: the Python and the allocations around a call are paid once for the run,
  * not per layer. The layers must share their shapes (one model's). is_bf16: the activations'
- * dtype (hidden, cos, sin_signed, norms). The cache arguments are pd_rope_and_cache's and
+ * dtype (hidden, cos, sin_signed, norms but Gemma's). cos and sin_signed: [tables, rows,
+ * head_dim], each layer reading its rope_table's. The cache arguments are pd_rope_and_cache's and
  * pd_paged_decode_attention's for layer 0's view: slots [rows] int64, block_tables [rows,
  * max_blocks] int32, seq_lens [rows] int32 (including the new token).
  * Returns 0, or -1 when a buffer could not be allocated (nothing written to the cache then, unless

@@ -34,11 +34,12 @@ int pd_causal_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t
 
 /* layer_ops.c */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
-                 int64_t dim, float eps, int is_bf16);
+                 int64_t dim, float eps, int is_bf16, int weight_f32);
 void pd_rope_and_cache(void *qkv, int is_bf16, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        const void *cos, const void *sin_signed, void *cache, int cache_is_bf16,
                        const int64_t *slots, int64_t block_size, int64_t block_stride, int64_t half_stride);
 void pd_silu_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, int is_bf16);
+void pd_gelu_tanh_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, int is_bf16);
 
 /* paged_attention.c (arch/x86/paged_attention.c) */
 void pd_paged_decode_attention(const void *q, int q_is_bf16, const void *kv, int kv_is_bf16, int64_t num_seqs,

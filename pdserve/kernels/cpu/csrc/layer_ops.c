@@ -4,7 +4,8 @@
  *     Hugging Face's LlamaRMSNorm computes it;
  *   - pd_rope_and_cache: RoPE on the q and k heads of the fused q/k/v projection's output, in
  *     place, then k and v written into their paged-cache slots;
- *   - pd_silu_mul: the MLP's silu(gate) * up, 16 (AVX-512) or 8 (AVX2) at a time.
+ *   - pd_silu_mul: the MLP's silu(gate) * up, 16 (AVX-512) or 8 (AVX2) at a time;
+ *   - pd_gelu_tanh_mul: Gemma's gelu(gate, approximate="tanh") * up, 16 at a time (AVX-512).
  * At one or a few rows these ops are all overhead: torch's fp32 rms_norm is eight ops (pow,
  * mean, add, rsqrt, two muls, casts), ~100 us a norm on the AMD EPYC (Zen 3) here, 61 norms a
  * step; RoPE and the KV write are a cat, three arithmetic ops and two index_puts a layer.
@@ -62,10 +63,14 @@ static inline void store_lanes16(void *a, int is_bf16, int64_t i, __mmask16 lane
  * dtype, and written to sum_out) when delta is not NULL. HF's LlamaRMSNorm: in fp32,
  * normed = s * (1 / sqrt(mean(s^2) + eps)), then weight * normed; in bf16 the normed value is
  * rounded to bf16 before the weight multiplies it, and the product is rounded again. x, delta,
- * sum_out, weight and out share one dtype; sum_out may be x itself.
+ * sum_out, weight and out share one dtype; sum_out may be x itself, out too.
+ * weight_f32: the weight is fp32 whatever the dtype, and multiplies the unrounded normed value,
+ * the product rounded once (HF's Gemma3RMSNorm, whose weight is 1 + w in fp32); in fp32 the same
+ * as the Llama form.
  */
 void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *weight, void *out, int64_t rows,
-                 int64_t dim, float eps, int is_bf16) {
+                 int64_t dim, float eps, int is_bf16, int weight_f32) {
+    const int llama_bf16 = is_bf16 && !weight_f32; /* normed rounded to bf16, the weight bf16 */
     float s[MAX_DIM];
 #if PD_HAS_AVX512_BW_VL
     for (int64_t r = 0; r < rows; r++) {
@@ -92,8 +97,8 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum_sq / (float)dim + eps));
         for (j = 0; j < dim; j += 16) {
             const __mmask16 lanes = first_lanes(dim - j);
-            const __m512 normed = round_to16(is_bf16, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), inv));
-            store_lanes16(out, is_bf16, row + j, lanes, _mm512_mul_ps(load_lanes16(weight, is_bf16, j, lanes), normed));
+            const __m512 normed = round_to16(llama_bf16, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), inv));
+            store_lanes16(out, is_bf16, row + j, lanes, _mm512_mul_ps(load_lanes16(weight, llama_bf16, j, lanes), normed));
         }
     }
 #else
@@ -115,8 +120,8 @@ void pd_rms_norm(const void *x, const void *delta, void *sum_out, const void *we
         for (; j < dim; j++) sum_sq += s[j] * s[j];
         const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
         for (j = 0; j < dim; j++) {
-            const float normed = round_to(is_bf16, s[j] * inv);
-            put_f32(out, is_bf16, row + j, get_f32(weight, is_bf16, j) * normed);
+            const float normed = round_to(llama_bf16, s[j] * inv);
+            put_f32(out, is_bf16, row + j, get_f32(weight, llama_bf16, j) * normed);
         }
     }
 #endif
@@ -267,6 +272,65 @@ void pd_silu_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, in
             const float g = get_f32(gate, is_bf16, i), e = expf(-fabsf(g));
             const float silu = round_to(is_bf16, (g < 0 ? g * e : g) / (1.0f + e));
             put_f32(out, is_bf16, i, silu * get_f32(up, is_bf16, i));
+        }
+#endif
+    }
+}
+
+/*
+ * GELU's tanh form times up (HF's gelu_pytorch_tanh, GeGLU): in fp32
+ *   gelu(g) = 0.5 g (1 + tanh(u)),  u = sqrt(2 / pi) (g + 0.044715 g^3)
+ * with tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2 |u|) (vexp.h's exp where there is
+ * AVX-512, expf elsewhere; 0 below exp's clamp). 1 + tanh(u) is formed as torch forms it, so
+ * that in the negative tail (g < -3, where it is 1 minus nearly 1) the values cancel as
+ * torch's do: g e / (1 + e) would be nearer the exact GELU there and further from torch's,
+ * which the model is held to (bf16 results unequal to torch's: 2.5% of normal(0, 4) inputs
+ * this way, 13% that way, nearly all in that tail). In bf16 the GELU is
+ * rounded to bf16 before up multiplies it, and the product again, as torch's
+ * F.gelu(gate, approximate="tanh") * up rounds them. The exp is not torch's (Sleef's tanh), so a
+ * value may differ from torch's by a rounding; the fused decoder layer and the per-op path
+ * (activation.gelu_tanh_and_mul) both call this function, so they agree with each other.
+ */
+#define GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_K1 0.044715f
+
+static inline float gelu_tanh1(float g) {
+    const float u = GELU_K0 * (g + GELU_K1 * g * g * g);
+    const float minus = -2.0f * fabsf(u), e = minus >= EXP_MIN ? expf(minus) : 0.0f;
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * g * (1.0f + (u < 0 ? -t : t));
+}
+
+#if PD_HAS_AVX512_BW_VL
+static inline __m512 gelu_tanh16(__m512 g) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(GELU_K0), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(GELU_K1), cube)));
+    const __m512 minus = _mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(u));
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(minus, _mm512_set1_ps(EXP_MIN), _CMP_GE_OQ),
+                                         exp_nonpositive(minus));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
+}
+#endif
+
+/* act[r, i] = gelu_tanh(gate_up[r, i]) * gate_up[r, inter + i], as pd_silu_mul lays them out. */
+void pd_gelu_tanh_mul(const void *gate_up, void *act, int64_t rows, int64_t inter, int is_bf16) {
+    const size_t es = is_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *gate = (const char *)gate_up + (size_t)(r * 2 * inter) * es, *up = gate + (size_t)inter * es;
+        char *out = (char *)act + (size_t)(r * inter) * es;
+#if PD_HAS_AVX512_BW_VL
+        for (int64_t i = 0; i < inter; i += 16) {
+            const __mmask16 lanes = first_lanes(inter - i);
+            const __m512 g = load_lanes16(gate, is_bf16, i, lanes), u = load_lanes16(up, is_bf16, i, lanes);
+            store_lanes16(out, is_bf16, i, lanes, _mm512_mul_ps(round_to16(is_bf16, gelu_tanh16(g)), u));
+        }
+#else
+        for (int64_t i = 0; i < inter; i++) {
+            const float gelu = round_to(is_bf16, gelu_tanh1(get_f32(gate, is_bf16, i)));
+            put_f32(out, is_bf16, i, gelu * get_f32(up, is_bf16, i));
         }
 #endif
     }
