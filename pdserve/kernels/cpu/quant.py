@@ -57,6 +57,7 @@ class BlockKind(IntEnum):
     Q4_0_X16 = 10
     Q5_0_X16 = 11
     Q5_1_X16 = 12
+    Q4_K_X16 = 13
 
     @property
     def block_bytes(self) -> int:
@@ -66,7 +67,7 @@ class BlockKind(IntEnum):
     @property
     def block_weights(self) -> int:
         """Weights one block holds: 256 for the K-quants, 32 for the others."""
-        return 256 if self in (BlockKind.Q4_K, BlockKind.Q5_K, BlockKind.Q6_K) else BLOCK_SIZE
+        return 256 if self.plain in (BlockKind.Q4_K, BlockKind.Q5_K, BlockKind.Q6_K) else BLOCK_SIZE
 
     def row_bytes(self, in_features: int) -> int:
         """Bytes of a row of ``in_features`` weights."""
@@ -88,7 +89,7 @@ class BlockKind(IntEnum):
 
     def interleaved_twin(self, int8_activations: bool) -> BlockKind | None:
         """The kind holding these blocks interleaved 16 rows at a time for the kernels of these
-        activations (Q4_1 and Q8_0: int8 and bf16; Q4_0, Q5_0, Q5_1: int8 only), or None."""
+        activations (Q4_1 and Q8_0: int8 and bf16; Q4_0, Q5_0, Q5_1, Q4_K: int8 only), or None."""
         twin = _TWIN_OF.get(self)
         if twin is None or (not int8_activations and twin in _INT8_ONLY):
             return None
@@ -101,9 +102,10 @@ _PLAIN_OF = {
     BlockKind.Q4_0_X16: BlockKind.Q4_0,
     BlockKind.Q5_0_X16: BlockKind.Q5_0,
     BlockKind.Q5_1_X16: BlockKind.Q5_1,
+    BlockKind.Q4_K_X16: BlockKind.Q4_K,
 }
 _TWIN_OF = {plain: twin for twin, plain in _PLAIN_OF.items()}
-_INT8_ONLY = (BlockKind.Q4_0_X16, BlockKind.Q5_0_X16, BlockKind.Q5_1_X16)
+_INT8_ONLY = (BlockKind.Q4_0_X16, BlockKind.Q5_0_X16, BlockKind.Q5_1_X16, BlockKind.Q4_K_X16)
 
 
 _BLOCK_BYTES = {
@@ -385,53 +387,49 @@ def q4_1_rows_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
     ).contiguous()
 
 
-# GGUF's blocks of 32 as the interleaved layout regroups them: byte ranges of (d, m, qh, qs) in a
-# block, in the order a chunk holds them after its words (qs first, then qh, d, m).
+# GGUF's blocks as the interleaved layout regroups them: byte ranges of each part of a block, in
+# the order a chunk holds them (repack_a8.c's header). A part of 4n bytes goes as n words, each
+# a vector of the 16 rows' 4 bytes; an fp16 (d, m, dmin) as the 16 rows' values.
 _GGUF_PARTS = {
-    BlockKind.Q4_0: {"d": (0, 2), "qs": (2, 18)},
-    BlockKind.Q5_0: {"d": (0, 2), "qh": (2, 6), "qs": (6, 22)},
-    BlockKind.Q5_1: {"d": (0, 2), "m": (2, 4), "qh": (4, 8), "qs": (8, 24)},
+    BlockKind.Q4_0: {"qs": (2, 18), "d": (0, 2)},
+    BlockKind.Q5_0: {"qs": (6, 22), "qh": (2, 6), "d": (0, 2)},
+    BlockKind.Q5_1: {"qs": (8, 24), "qh": (4, 8), "d": (0, 2), "m": (2, 4)},
+    BlockKind.Q4_K: {"qs": (16, 144), "scales": (4, 16), "d": (0, 2), "dmin": (2, 4)},
 }
-_CHUNK_ORDER = ("qs", "qh", "d", "m")
+
+
+def _unit(width: int) -> int:
+    """Bytes of a part a row puts in one vector of 16 rows: 4 (words) or 2 (an fp16)."""
+    return 4 if width % 4 == 0 else 2
 
 
 def _gguf_chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """A GGUF small kind's rows as chunks ``[groups, blocks, 16 * block_bytes]``: per (16-row
-    group, block) its qs as 4 words of 16 rows' 4 bytes, its 16 rows' qh, d (and m)."""
-    rows, num_blocks = blocks.shape[0], in_features // BLOCK_SIZE
+    """A GGUF kind's rows as chunks ``[groups, blocks, 16 * block_bytes]``: per (16-row group,
+    block) each part of its 16 rows' blocks (``_GGUF_PARTS``), 16 rows' pieces a vector."""
+    rows, num_blocks = blocks.shape[0], in_features // kind.block_weights
     groups = rows // X16_ROWS
     per_block = blocks.reshape(groups, X16_ROWS, num_blocks, kind.block_bytes)
     pieces = []
-    for name in _CHUNK_ORDER:
-        if name not in _GGUF_PARTS[kind]:
-            continue
-        first, last = _GGUF_PARTS[kind][name]
-        part = per_block[..., first:last]  # [g, 16, b, width]
-        if name == "qs":  # [g, b, word, 16, 4]
-            pieces.append(part.reshape(groups, X16_ROWS, num_blocks, 4, 4).permute(0, 2, 3, 1, 4))
-        else:  # [g, b, 16, width]
-            pieces.append(part.permute(0, 2, 1, 3))
-    return torch.cat([p.reshape(groups, num_blocks, -1) for p in pieces], dim=-1)
+    for first, last in _GGUF_PARTS[kind].values():
+        unit = _unit(last - first)
+        part = per_block[..., first:last].reshape(groups, X16_ROWS, num_blocks, (last - first) // unit, unit)
+        pieces.append(part.permute(0, 2, 3, 1, 4).reshape(groups, num_blocks, -1))  # [g, b, piece, 16, unit]
+    return torch.cat(pieces, dim=-1)
 
 
 def _gguf_rows(kind: BlockKind, chunks: torch.Tensor, rows: int, in_features: int) -> torch.Tensor:
-    """``_gguf_chunks`` undone: the GGUF small kind's rows ``[rows, row_bytes]``."""
-    num_blocks, groups = in_features // BLOCK_SIZE, rows // X16_ROWS
+    """``_gguf_chunks`` undone: the GGUF kind's rows ``[rows, row_bytes]``."""
+    num_blocks, groups = in_features // kind.block_weights, rows // X16_ROWS
     chunks = chunks.reshape(groups, num_blocks, -1)
     per_block = torch.empty(groups, X16_ROWS, num_blocks, kind.block_bytes, dtype=torch.uint8)
     at = 0
-    for name in _CHUNK_ORDER:
-        if name not in _GGUF_PARTS[kind]:
-            continue
-        first, last = _GGUF_PARTS[kind][name]
-        width = (last - first) * X16_ROWS
-        part = chunks[..., at : at + width]
-        if name == "qs":
-            part = part.reshape(groups, num_blocks, 4, X16_ROWS, 4).permute(0, 3, 1, 2, 4)
-        else:
-            part = part.reshape(groups, num_blocks, X16_ROWS, last - first).permute(0, 2, 1, 3)
-        per_block[..., first:last] = part.reshape(groups, X16_ROWS, num_blocks, last - first)
-        at += width
+    for first, last in _GGUF_PARTS[kind].values():
+        width, unit = last - first, _unit(last - first)
+        part = chunks[..., at : at + width * X16_ROWS].reshape(
+            groups, num_blocks, width // unit, X16_ROWS, unit
+        )
+        per_block[..., first:last] = part.permute(0, 3, 1, 2, 4).reshape(groups, X16_ROWS, num_blocks, width)
+        at += width * X16_ROWS
     return per_block.reshape(rows, -1).contiguous()
 
 

@@ -15,8 +15,10 @@ fraction of the fp32 arithmetic (``kernels/cpu/csrc/quants_a8.c``). Where the CP
 AVX512-VNNI the weights are interleaved (``kernels/cpu/csrc/repack_a8.c``) and prefill chunks run that
 kernel too, as llama.cpp's prompt processing does: one vpdpbusd is 64 multiply-adds where
 vdpbf16ps is 32, so SmolLM2-135M's layers took 90 ms of a 256-token prompt instead of 125
-(decode + bf16 GEMM, one Zen 5 core). Elsewhere prefill chunks decode the blocks as above. What
-it costs in quality is measured in tests/engine/model/test_quality_quant.py.
+(decode + bf16 GEMM, one Zen 5 core); a 1B model's Q4_K matrices, about as fast either way
+(8.1 against 9.5 ms for 256 x 2048 x 4096). A projection whose parts are of both sorts (a Q6_K
+v beside Q4_K q and k) runs each part its own way. Elsewhere prefill chunks decode the blocks as
+above. What it costs in quality is measured in tests/engine/model/test_quality_quant.py.
 
 The tied embedding and LM head share one block tensor, counted once. The walks over a whole
 model that make and prepare these modules at load are in ``weights.py``; each calls the
@@ -128,19 +130,30 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         parts = self.parts
         if self.use_kernel and (rows.shape[0] <= KERNEL_MAX_ROWS or self.int8_gemm):
+            outs = [self._kernel(rows, kind, blocks) for kind, blocks in parts]
+        elif self.use_kernel and self.int8_activations and any(kind.interleaved for kind in self.kinds):
+            # a prefill chunk over parts of both sorts (a Q4_K_M q/k/v: q, k Q4_K, v Q6_K): each
+            # interleaved part through the int8 kernel, each other one decoded for torch's GEMM
             outs = [
-                cpu_quant.quant_matmul(
-                    rows, kind, blocks, self.in_features, checked=True, int8_activations=self.int8_activations
-                )
+                self._kernel(rows, kind, blocks)
+                if kind.interleaved
+                else F.linear(rows, _decode(kind, blocks, self.in_features, x.dtype, True, reuse=True))
                 for kind, blocks in parts
             ]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-            if self.bias is not None:
-                out = out + self.bias
         else:  # a prefill chunk: the blocks decoded once for torch's GEMM, into a reused buffer
             weight = self._decoded(x.dtype)
             out = F.linear(rows, weight, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, rows: torch.Tensor, kind: BlockKind, blocks: torch.Tensor) -> torch.Tensor:
+        """``rows @ W_part^T`` by the C kernel, in this module's activations."""
+        return cpu_quant.quant_matmul(
+            rows, kind, blocks, self.in_features, checked=True, int8_activations=self.int8_activations
+        )
 
     def _decoded(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in ``dtype`` (for a prefill chunk's GEMM), each part into its rows."""
@@ -174,7 +187,7 @@ class QuantLinear(nn.Module):
 
     def interleave(self, done: Interleaved) -> None:
         """Hold each part's blocks interleaved 16 rows at a time where its kind has such a layout
-        for this module's activations (Q4_1, Q8_0; with int8 ones Q4_0, Q5_0, Q5_1 too:
+        for this module's activations (Q4_1, Q8_0; with int8 ones Q4_0, Q5_0, Q5_1, Q4_K too:
         ``BlockKind.interleaved_twin``), for the kernels that read them so
         (``cpu_quant.interleave_rows``); whole groups of 16 rows only, and blocks another module
         interleaved already (``done``) are taken from there, not made twice."""

@@ -23,8 +23,8 @@ enum { KIND_Q4_0 = 4, KIND_Q5_0 = 5, KIND_Q5_1 = 6, KIND_Q4_K = 7, KIND_Q5_K = 8
 static inline int is_k_kind(int kind) { return kind >= KIND_Q4_0 && kind <= KIND_Q6_K; }
 /* And GGUF's blocks of 32 (Q4_0, Q5_0, Q5_1) interleaved 16 rows at a time for repack_a8.c's int8
  * kernel (its header has the layout): the int8-activation route only. */
-enum { KIND_Q4_0_X16 = 10, KIND_Q5_0_X16 = 11, KIND_Q5_1_X16 = 12 };
-static inline int is_x16_gguf(int kind) { return kind >= KIND_Q4_0_X16 && kind <= KIND_Q5_1_X16; }
+enum { KIND_Q4_0_X16 = 10, KIND_Q5_0_X16 = 11, KIND_Q5_1_X16 = 12, KIND_Q4_K_X16 = 13 };
+static inline int is_x16_gguf(int kind) { return kind >= KIND_Q4_0_X16 && kind <= KIND_Q4_K_X16; }
 #define X16 16 /* weight rows an interleaved group holds */
 
 static inline float fp16_to_fp32(uint16_t h) {
@@ -57,9 +57,13 @@ static inline int block_bytes(int kind) {
         case KIND_Q4_0_X16: return 18; /* quants_k.h's k_block_bytes of the plain kinds */
         case KIND_Q5_0_X16: return 22;
         case KIND_Q5_1_X16: return 24;
+        case KIND_Q4_K_X16: return 144; /* a super-block of 256 */
         default: return Q8_0_BYTES;
     }
 }
+
+/* Weights of one block of an interleaved kind: Q4_K_X16's super-blocks 256, the others 32. */
+static inline int x16_block_weights(int kind) { return kind == KIND_Q4_K_X16 ? 256 : QK; }
 
 static inline int is_x16(int kind) { return kind == KIND_Q4_1_X16 || kind == KIND_Q8_0_X16; }
 

@@ -24,6 +24,11 @@
  *     Qwen2.5-0.5B's Q4_K fall back to Q5_0): the 4 nibble vectors as Q4_1_X16's (GGUF's qs in
  *     the same order), then for Q5_0 / Q5_1 a vector whose lane r is row r's 32 fifth bits (qh),
  *     then the 16 rows' fp16 d, then (Q5_1) their fp16 m.
+ *   Q4_K_X16 (2304 bytes, a chunk a super-block of 256 inputs): 32 vectors of the 16 rows' qs (as
+ *     above, 4 bytes of each row a vector), 3 of their 12 bytes of packed 6-bit scales and
+ *     minima, then the 16 rows' fp16 d, then their fp16 dmin. A sub-block s's weights are
+ *     d sc[s] q - dmin m[s] (ggml's get_scale_min_k4), so a sub-block runs as Q4_1's block with
+ *     scale d sc[s] and minimum -dmin m[s].
  * The bytes are the blocks' own, moved: the matrix takes exactly its plain layout's memory.
  * Q8_0's +128 is taken back by starting each block's int32 lanes at -128 times the sum of x's
  * 32 int8 there (the same integer as the signed dot); Q4_0's and Q5_0's offsets (w = d (q - 8),
@@ -32,7 +37,8 @@
  * Per block and row of x, in this order for every (weight row, row of x) pair, in the vector
  * kernel and in the plain loop alike (so both give the same bits, and a row's result does not
  * depend on its batch): acc = fma(float(dot), dw * d, acc); for Q4_1 and Q5_1 also
- * mins = fma(m, s, mins); y = acc + mins.
+ * mins = fma(m, s, mins), y = acc + mins; for Q4_K (a block: a sub-block of 32) the minimum
+ * into the same sum, acc = fma(m, s, acc) (fewer registers), y = acc.
  *
  * Why the GGUF kinds too: held as the file stores them (quants_k_a8.c), a prefill chunk decoded
  * them to bf16 for torch's GEMM (bf16 arithmetic: half of vpdpbusd's per instruction), and at 8
@@ -56,11 +62,19 @@
 #include <omp.h>
 
 /* Block b of weight row n of an interleaved GGUF kind (Q4_0_X16 ...), as the file held it, into
- * `block` (its plain kind's k_block_bytes). */
+ * `block` (its plain kind's k_block_bytes; a super-block for Q4_K_X16). */
 static void x16_gguf_block(int kind, const uint8_t *w, int64_t K, int64_t n, int64_t b, uint8_t *block) {
-    const int64_t blocks = K / QK, lane = n % X16;
+    const int64_t blocks = K / x16_block_weights(kind), lane = n % X16;
     const int bytes = block_bytes(kind);
     const uint8_t *chunk = w + ((n / X16) * blocks + b) * X16 * bytes;
+    if (kind == KIND_Q4_K_X16) { /* d, dmin, 12 bytes of scales, 128 of qs */
+        const uint8_t *scales = chunk + 32 * 64;
+        memcpy(block, scales + 192 + 2 * lane, 2);
+        memcpy(block + 2, scales + 192 + 2 * X16 + 2 * lane, 2);
+        for (int i = 0; i < 3; i++) memcpy(block + 4 + 4 * i, scales + 64 * i + 4 * lane, 4);
+        for (int i = 0; i < 32; i++) memcpy(block + 16 + 4 * i, chunk + 64 * i + 4 * lane, 4);
+        return;
+    }
     const int has_qh = kind != KIND_Q4_0_X16;
     const uint8_t *scales = chunk + 256 + 64 * has_qh;
     memcpy(block, scales + 2 * lane, 2); /* d */
@@ -77,7 +91,18 @@ static void x16_gguf_block(int kind, const uint8_t *w, int64_t K, int64_t n, int
 }
 
 /* The plain kind (KIND_Q4_0 ...) of an interleaved GGUF kind. */
-static inline int x16_gguf_plain(int kind) { return kind - KIND_Q4_0_X16 + KIND_Q4_0; }
+static inline int x16_gguf_plain(int kind) {
+    return kind == KIND_Q4_K_X16 ? KIND_Q4_K : kind - KIND_Q4_0_X16 + KIND_Q4_0;
+}
+
+/* Sub-block s (of 32 weights) of weight row n of an interleaved GGUF kind, decoded as quants_k.h
+ * decodes the file's bytes. */
+static void x16_gguf_sub_block(int kind, const uint8_t *w, int64_t K, int64_t n, int64_t s, SubBlock *sb) {
+    uint8_t block[256]; /* room for any kind's block (k_sub_block reads by kind) */
+    const int per = x16_block_weights(kind) / QK;
+    x16_gguf_block(kind, w, K, n, s / per, block);
+    k_sub_block(x16_gguf_plain(kind), block, s % per, sb);
+}
 
 /* What Q4_0's and Q5_0's stored integers are above the weights' (8, 16); Q8_0_X16's +128. */
 static inline int x16_offset(int kind) {
@@ -85,25 +110,26 @@ static inline int x16_offset(int kind) {
 }
 
 /* The plain loop of the interleaved GGUF kinds: each block put back as the file held it and read
- * as quants_k.h's k_small_block reads it, the sums in the header's order. */
+ * as quants_k.h reads it, the sums in the header's order. */
 static void gguf_gemm_generic(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                               int threads) {
     const int64_t blocks = x.K / QK;
-    const int plain = x16_gguf_plain(kind), offset = x16_offset(kind), has_min = kind == KIND_Q5_1_X16;
+    const int offset = x16_offset(kind), has_min = kind == KIND_Q5_1_X16 || kind == KIND_Q4_K_X16;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++)
         for (int64_t r = 0; r < M; r++) {
             float acc = 0.0f, mins = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
-                uint8_t block[24];
                 SubBlock sb;
-                x16_gguf_block(kind, w, x.K, n, b, block);
-                k_small_block(plain, block, &sb);
+                x16_gguf_sub_block(kind, w, x.K, n, b, &sb);
                 const int8_t *xq = x.q + r * x.K + b * QK;
                 int32_t dot = 0;
                 for (int j = 0; j < QK; j++) dot += (sb.q[j] - offset) * xq[j];
                 acc = fmaf((float)dot, sb.d[0] * x.d[r * x.stride + b], acc);
-                if (has_min) mins = fmaf(sb.m[0], x.s[r * x.stride + b], mins);
+                if (kind == KIND_Q4_K_X16) /* the minima into the same sum (Q4_K's kernel) */
+                    acc = fmaf(sb.m[0], x.s[r * x.stride + b], acc);
+                else if (has_min)
+                    mins = fmaf(sb.m[0], x.s[r * x.stride + b], mins);
             }
             put_f32(y, y_is_bf16, r * N + n, has_min ? acc + mins : acc);
         }
@@ -179,15 +205,12 @@ int pd_repack_a8_route(void) {
 void pd_x16_gguf_dequant(int kind, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count, void *out,
                          int out_is_bf16, int threads) {
     const int64_t blocks = K / QK;
-    const int plain = x16_gguf_plain(kind);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 64)
     for (int64_t i = 0; i < count; i++) {
         const int64_t n = rows ? rows[i] : i;
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t block[24];
             SubBlock sb;
-            x16_gguf_block(kind, w, K, n, b, block);
-            k_small_block(plain, block, &sb);
+            x16_gguf_sub_block(kind, w, K, n, b, &sb);
             for (int j = 0; j < QK; j++)
                 put_f32(out, out_is_bf16, i * K + b * QK + j, fmaf(sb.d[j / 16], (float)sb.q[j], sb.m[j / 16]));
         }

@@ -139,8 +139,74 @@ static inline __attribute__((always_inline)) void group_gguf(int kind, const uin
     for (int r = 0; r < rows; r++) out[r] = has_min ? _mm512_add_ps(acc[r], mins[r]) : acc[r];
 }
 
-/* group_q4_1 / group_q8_0 / group_gguf with the kind and rows constants, so that the loops unroll
- * into registers. */
+/* Sub-block s's 6-bit scale and minimum of each lane's row, from its 12 bytes of scales as the
+ * three vectors v[0..2] hold them (lane r: bytes 4k..4k+3 of row r's in v[k]): ggml's
+ * get_scale_min_k4 in 32-bit lanes. */
+static inline __attribute__((always_inline)) void k4_scale_min16(const __m512i *v, int s, __m512i *sc, __m512i *mn) {
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
+    if (s < 4) {
+        *sc = _mm512_and_si512(_mm512_srli_epi32(v[0], 8 * s), six);
+        *mn = _mm512_and_si512(_mm512_srli_epi32(v[1], 8 * s), six);
+        return;
+    }
+    const int j = s - 4;
+    const __m512i high_sc = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v[0], 8 * j + 6), two), 4);
+    const __m512i high_mn = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v[1], 8 * j + 6), two), 4);
+    *sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[2], 8 * j), four), high_sc);
+    *mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[2], 8 * j + 4), four), high_mn);
+}
+
+/* Q4_K_X16 (repack_a8.c's header): per super-block its scales decoded once for the 16 rows, then
+ * each sub-block as Q4_1's block, with scale d sc[s] and minimum -dmin m[s]. */
+static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *group, X16In x, int rows, __m512 *out) {
+    const int64_t supers = x.K / 256, chunk_bytes = X16 * 144;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[X16_ROWS]; /* the minima go into the same sums: 8 fewer registers than Q4_1's */
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < supers; sb++) {
+        const uint8_t *chunk = group + sb * chunk_bytes, *head = chunk + 32 * 64;
+        for (int line = 0; line < 4; line++) /* the words' lines are asked for pair by pair below */
+            _mm_prefetch((const char *)head + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+        __m512i v[3];
+        for (int k = 0; k < 3; k++) v[k] = _mm512_loadu_si512(head + 64 * k);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 192)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 224)));
+        for (int t = 0; t < 4; t++) { /* a pair of sub-blocks: 8 vectors, low nibbles then high */
+            const uint8_t *words = chunk + 64 * 8 * t;
+            for (int line = 0; line < 8; line++)
+                _mm_prefetch((const char *)words + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            __m512i bytes[8];
+            for (int i = 0; i < 8; i++) bytes[i] = _mm512_loadu_si512(words + 64 * i);
+            for (int h = 0; h < 2; h++) {
+                const int s = 2 * t + h;
+                __m512i sc, mn;
+                k4_scale_min16(v, s, &sc, &mn);
+                const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                const __m512 m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+                __m512i q[8];
+                for (int i = 0; i < 8; i++)
+                    q[i] = _mm512_and_si512(h ? _mm512_srli_epi16(bytes[i], 4) : bytes[i], low);
+                const int64_t b = sb * 8 + s; /* x's block */
+#pragma GCC unroll 8
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xq = x.q + r * x.K + b * QK;
+                    __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
+                    for (int i = 0; i < 4; i++) {
+                        first = _mm512_dpbusd_epi32(first, q[i], broadcast_u32(xq + 4 * i));
+                        second = _mm512_dpbusd_epi32(second, q[4 + i], broadcast_u32(xq + 16 + 4 * i));
+                    }
+                    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = acc[r];
+}
+
+/* group_q4_1 / group_q8_0 / group_gguf / group_q4_k with the kind and rows constants, so that the
+ * loops unroll into registers. */
 static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int rows, __m512 *out) {
 #define X16_GROUP(ROWS)                                                                 \
     do {                                                                                \
@@ -152,6 +218,8 @@ static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int r
             group_gguf(KIND_Q4_0_X16, group, x, ROWS, out);                             \
         else if (kind == KIND_Q5_0_X16)                                                 \
             group_gguf(KIND_Q5_0_X16, group, x, ROWS, out);                             \
+        else if (kind == KIND_Q4_K_X16)                                                 \
+            group_q4_k(group, x, ROWS, out);                                            \
         else                                                                            \
             group_gguf(KIND_Q5_1_X16, group, x, ROWS, out);                             \
         return;                                                                         \
@@ -173,7 +241,7 @@ static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int r
  * rows of x against it. */
 void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                        int threads) {
-    const int64_t group_bytes = x.K / QK * X16 * block_bytes(kind);
+    const int64_t group_bytes = x.K / x16_block_weights(kind) * X16 * block_bytes(kind);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t g = 0; g < N / X16; g++)
         for (int64_t m0 = 0; m0 < M; m0 += X16_ROWS) { /* further rows read the group from cache */
