@@ -129,26 +129,23 @@ def rope_and_cache(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for ``gate_up`` = ``[rows, 2 * inter]`` (gate, then up), rounded as torch
     rounds them, with layer_ops.c's exp (the fused decoder layer's, so that both paths agree)."""
-    rows, width = gate_up.shape
-    if width % 2:
-        raise ValueError(f"silu_mul: gate_up width {width} is not gate + up")
-    gate_up = gate_up.contiguous()
-    act = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    KERNELS.load().pd_silu_mul(
-        gate_up.data_ptr(), act.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16)
-    )
-    return act
+    return _gated(gate_up, "silu_mul")
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.gelu(gate, approximate="tanh") * up`` for ``gate_up`` = ``[rows, 2 * inter]`` (Gemma's
     GeGLU), rounded as torch rounds them, with layer_ops.c's exp (the fused decoder layer's)."""
+    return _gated(gate_up, "gelu_tanh_mul")
+
+
+def _gated(gate_up: torch.Tensor, name: str) -> torch.Tensor:
+    """``act(gate) * up`` by layer_ops.c's ``pd_<name>`` over ``gate_up`` ``[rows, 2 * inter]``."""
     rows, width = gate_up.shape
     if width % 2:
-        raise ValueError(f"gelu_tanh_mul: gate_up width {width} is not gate + up")
+        raise ValueError(f"{name}: gate_up width {width} is not gate + up")
     gate_up = gate_up.contiguous()
     act = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    KERNELS.load().pd_gelu_tanh_mul(
+    getattr(KERNELS.load(), f"pd_{name}")(
         gate_up.data_ptr(), act.data_ptr(), rows, width // 2, int(gate_up.dtype == torch.bfloat16)
     )
     return act

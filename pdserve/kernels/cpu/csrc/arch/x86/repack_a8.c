@@ -23,6 +23,18 @@
  * ms, 16 KB 3.42-3.49, 24 KB 3.43-3.45; in a loop over the matrices alone 16 KB did best. */
 #define X16_PREFETCH_BYTES 8192
 
+/* One block's integer dot for a row of x: weights 0-15 (`lo`, 4 vectors of 4 each) and 16-31 (`hi`)
+ * against x's 32 int8 at xq, in two chains (the first from `start`), added. */
+static inline __attribute__((always_inline)) __m512i block_dot(const __m512i *lo, const __m512i *hi, const int8_t *xq,
+                                                               __m512i start) {
+    __m512i first = start, second = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        first = _mm512_dpbusd_epi32(first, lo[i], broadcast_u32(xq + 4 * i));
+        second = _mm512_dpbusd_epi32(second, hi[i], broadcast_u32(xq + 16 + 4 * i));
+    }
+    return _mm512_add_epi32(first, second);
+}
+
 /* 16 weight rows (one group: `group` points at its first chunk) against `rows` rows of x:
  * out[r] = the 16 outputs of row r. */
 static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *group, X16In x, int rows, __m512 *out) {
@@ -44,13 +56,9 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = x.q + r * x.K + b * QK;
-            __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                first = _mm512_dpbusd_epi32(first, lo[i], broadcast_u32(xq + 4 * i));
-                second = _mm512_dpbusd_epi32(second, hi[i], broadcast_u32(xq + 16 + 4 * i));
-            }
+            const __m512i dot = block_dot(lo, hi, xq, _mm512_setzero_si512());
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r]);
         }
     }
@@ -70,13 +78,9 @@ static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *grou
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = x.q + r * x.K + b * QK;
-            __m512i first = _mm512_set1_epi32(x.start[r * (x.K / QK) + b]), second = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                first = _mm512_dpbusd_epi32(first, weights[i], broadcast_u32(xq + 4 * i));
-                second = _mm512_dpbusd_epi32(second, weights[4 + i], broadcast_u32(xq + 16 + 4 * i));
-            }
+            const __m512i dot = block_dot(weights, weights + 4, xq, _mm512_set1_epi32(x.start[r * (x.K / QK) + b]));
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) out[r] = acc[r];
@@ -125,14 +129,10 @@ static inline __attribute__((always_inline)) void group_gguf(int kind, const uin
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = x.q + r * x.K + b * QK;
-            __m512i first = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(x.start[r * blocks + b]);
-            __m512i second = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                first = _mm512_dpbusd_epi32(first, lo[i], broadcast_u32(xq + 4 * i));
-                second = _mm512_dpbusd_epi32(second, hi[i], broadcast_u32(xq + 16 + 4 * i));
-            }
+            const __m512i start = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(x.start[r * blocks + b]);
+            const __m512i dot = block_dot(lo, hi, xq, start);
             const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             if (has_min) mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r]);
         }
     }
@@ -190,13 +190,9 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
 #pragma GCC unroll 8
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xq = x.q + r * x.K + b * QK;
-                    __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
-                    for (int i = 0; i < 4; i++) {
-                        first = _mm512_dpbusd_epi32(first, q[i], broadcast_u32(xq + 4 * i));
-                        second = _mm512_dpbusd_epi32(second, q[4 + i], broadcast_u32(xq + 16 + 4 * i));
-                    }
+                    const __m512i dot = block_dot(q, q + 4, xq, _mm512_setzero_si512());
                     const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), scale, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
                     acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), acc[r]);
                 }
             }
