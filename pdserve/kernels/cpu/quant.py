@@ -52,7 +52,7 @@ class BlockKind(IntEnum):
     Q4_K = 7
     Q5_K = 8
     Q6_K = 9
-    # GGUF's blocks of 32 interleaved 16 rows at a time, for the int8-activation kernel only
+    # GGUF's Q4_0, Q5_0, Q5_1 and Q4_K interleaved 16 rows at a time, for the int8-activation kernel only
     # (``kernels/cpu/csrc/repack_a8.c``): made at load with ``-a8`` where the CPU has AVX512-VNNI.
     Q4_0_X16 = 10
     Q5_0_X16 = 11
@@ -452,7 +452,7 @@ def _chunks(kind: BlockKind, blocks: torch.Tensor, in_features: int) -> tuple[to
 def interleave_rows(
     kind: BlockKind, blocks: torch.Tensor, in_features: int
 ) -> tuple[BlockKind, torch.Tensor]:
-    """``(KIND_X16, blocks)``: the rows of a plain kind (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1) interleaved 16
+    """``(KIND_X16, blocks)``: the rows of a plain kind (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, Q4_K) interleaved 16
     at a time, as ``kernels/cpu/csrc/repack_a8.c`` lays them out; the same bytes (Q8_0's weights plus
     128), moved: ``[rows, row_bytes]`` as before, so sizes and row counts read the same."""
     check_blocks(kind, blocks, in_features)

@@ -128,22 +128,25 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        parts = self.parts
-        if self.use_kernel and (rows.shape[0] <= KERNEL_MAX_ROWS or self.int8_gemm):
-            outs = [self._kernel(rows, kind, blocks) for kind, blocks in parts]
-        elif self.use_kernel and self.int8_activations and any(kind.interleaved for kind in self.kinds):
-            # a prefill chunk over parts of both sorts (a Q4_K_M q/k/v: q, k Q4_K, v Q6_K): each
-            # interleaved part through the int8 kernel, each other one decoded for torch's GEMM
-            outs = [
-                self._kernel(rows, kind, blocks)
-                if kind.interleaved
-                else F.linear(rows, _decode(kind, blocks, self.in_features, x.dtype, True, reuse=True))
-                for kind, blocks in parts
-            ]
-        else:  # a prefill chunk: the blocks decoded once for torch's GEMM, into a reused buffer
-            weight = self._decoded(x.dtype)
-            out = F.linear(rows, weight, self.bias)
+        # A decode batch takes the kernel for every part; a prefill chunk for each part the int8
+        # kernel takes (interleaved), each other one decoded for torch's GEMM (a Q4_K_M q/k/v:
+        # q, k Q4_K, v Q6_K).
+        decode_batch = rows.shape[0] <= KERNEL_MAX_ROWS
+        on_kernel = [
+            self.use_kernel and (decode_batch or (self.int8_activations and kind.interleaved))
+            for kind in self.kinds
+        ]
+        if not any(
+            on_kernel
+        ):  # a prefill chunk: the blocks decoded once for torch's GEMM, into a reused buffer
+            out = F.linear(rows, self._decoded(x.dtype), self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
+        outs = [
+            self._kernel(rows, kind, blocks)
+            if kernel
+            else F.linear(rows, _decode(kind, blocks, self.in_features, x.dtype, True, reuse=True))
+            for (kind, blocks), kernel in zip(self.parts, on_kernel, strict=True)
+        ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             out = out + self.bias

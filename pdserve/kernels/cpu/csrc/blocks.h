@@ -21,10 +21,29 @@ enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_1_X16 = 2, KIND_Q8_0_X16 = 3 };
  * pd_quant_matmul, pd_quant_matmul_a8 and pd_quant_dequant hand to quants_k.c. */
 enum { KIND_Q4_0 = 4, KIND_Q5_0 = 5, KIND_Q5_1 = 6, KIND_Q4_K = 7, KIND_Q5_K = 8, KIND_Q6_K = 9 };
 static inline int is_k_kind(int kind) { return kind >= KIND_Q4_0 && kind <= KIND_Q6_K; }
-/* And GGUF's blocks of 32 (Q4_0, Q5_0, Q5_1) interleaved 16 rows at a time for repack_a8.c's int8
+/* And GGUF's Q4_0, Q5_0, Q5_1 and Q4_K interleaved 16 rows at a time for repack_a8.c's int8
  * kernel (its header has the layout): the int8-activation route only. */
 enum { KIND_Q4_0_X16 = 10, KIND_Q5_0_X16 = 11, KIND_Q5_1_X16 = 12, KIND_Q4_K_X16 = 13 };
 static inline int is_x16_gguf(int kind) { return kind >= KIND_Q4_0_X16 && kind <= KIND_Q4_K_X16; }
+
+/* The kind held as GGUF stores them (KIND_Q4_0 ...) whose blocks an interleaved GGUF kind holds. */
+static inline int x16_gguf_plain(int kind) {
+    return kind == KIND_Q4_K_X16 ? KIND_Q4_K : kind - KIND_Q4_0_X16 + KIND_Q4_0;
+}
+
+/* Bytes of one block and weights it holds, per kind held as GGUF stores them (KIND_Q4_0 ...). */
+static inline int k_block_bytes(int kind) {
+    switch (kind) {
+        case KIND_Q4_0: return 18;  /* fp16 d, 16 bytes of nibbles */
+        case KIND_Q5_0: return 22;  /* fp16 d, 4 bytes qh, 16 qs */
+        case KIND_Q5_1: return 24;  /* fp16 d, fp16 m, 4 qh, 16 qs */
+        case KIND_Q4_K: return 144; /* fp16 d, dmin, 12 bytes of scales, 128 qs */
+        case KIND_Q5_K: return 176; /* fp16 d, dmin, 12 scales, 32 qh, 128 qs */
+        default: return 210;        /* Q6_K: 128 ql, 64 qh, 16 int8 scales, fp16 d */
+    }
+}
+
+static inline int k_block_weights(int kind) { return kind >= KIND_Q4_K ? 256 : 32; }
 #define X16 16 /* weight rows an interleaved group holds */
 
 static inline float fp16_to_fp32(uint16_t h) {
@@ -52,18 +71,12 @@ static inline float fp16_to_fp32(uint16_t h) {
 }
 
 static inline int block_bytes(int kind) {
-    switch (kind) {
-        case KIND_Q4_1: case KIND_Q4_1_X16: return Q4_1_BYTES;
-        case KIND_Q4_0_X16: return 18; /* quants_k.h's k_block_bytes of the plain kinds */
-        case KIND_Q5_0_X16: return 22;
-        case KIND_Q5_1_X16: return 24;
-        case KIND_Q4_K_X16: return 144; /* a super-block of 256 */
-        default: return Q8_0_BYTES;
-    }
+    if (is_x16_gguf(kind)) return k_block_bytes(x16_gguf_plain(kind));
+    return kind == KIND_Q4_1 || kind == KIND_Q4_1_X16 ? Q4_1_BYTES : Q8_0_BYTES;
 }
 
 /* Weights of one block of an interleaved kind: Q4_K_X16's super-blocks 256, the others 32. */
-static inline int x16_block_weights(int kind) { return kind == KIND_Q4_K_X16 ? 256 : QK; }
+static inline int x16_block_weights(int kind) { return is_x16_gguf(kind) ? k_block_weights(x16_gguf_plain(kind)) : QK; }
 
 static inline int is_x16(int kind) { return kind == KIND_Q4_1_X16 || kind == KIND_Q8_0_X16; }
 

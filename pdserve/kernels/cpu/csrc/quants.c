@@ -120,7 +120,7 @@ void pd_quant_gemm_bf16_generic(int kind, const uint16_t *x, int64_t M, int64_t 
 /*
  * y[M, N] = x[M, K] @ W^T. kind 0: Q4_1 blocks, 1: Q8_0 blocks; W is [N, K / 32] blocks, row-major;
  * kinds 2 and 3 (Q4_1_X16, Q8_0_X16) the same interleaved by 16 rows, with bf16 x only; 4-9 as GGUF stores
- * them (quants_k.h); never 10-12 (interleaved GGUF blocks: pd_quant_matmul_a8). x and y are bf16 (flag 1)
+ * them (quants_k.h); never 10-13 (interleaved GGUF blocks: pd_quant_matmul_a8). x and y are bf16 (flag 1)
  * or fp32 (flag 0), contiguous. K must be a multiple of 32. Returns 0; -1 when a buffer could
  * not be allocated, -2 for a kind and x it does not take (nothing written then).
  */

@@ -112,8 +112,8 @@ int pd_quant_a8_gemm_generic(int kind, int8_t *q, const float *d, const float *s
 /*
  * y[M, N] = x[M, K] @ W^T with x quantized to int8 per block of 32 (the header). kind 0: Q4_1
  * rows, 1: Q8_0 blocks, as pd_quant_matmul takes them, 2 and 3 the same interleaved by 16 rows
- * (repack_a8.c; N a multiple of 16), 4-9 the kinds held as GGUF stores them (quants_k.h), 10-12
- * GGUF's Q4_0, Q5_0, Q5_1 interleaved by 16 rows (repack_a8.c); x and y bf16 (flag 1) or fp32 (flag 0),
+ * (repack_a8.c; N a multiple of 16), 4-9 the kinds held as GGUF stores them (quants_k.h), 10-13
+ * GGUF's Q4_0, Q5_0, Q5_1, Q4_K interleaved by 16 rows (repack_a8.c); x and y bf16 (flag 1) or fp32 (flag 0),
  * contiguous; K a multiple of 32. Returns 0, or -1 when its buffers could not be allocated
  * (nothing written then).
  */

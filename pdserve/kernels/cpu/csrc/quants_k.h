@@ -25,20 +25,6 @@
 #include "arch_fallback.h"
 #include "blocks.h"
 
-/* Bytes of one block and weights it holds, per kind (KIND_Q4_0 ...; blocks.h). */
-static inline int k_block_bytes(int kind) {
-    switch (kind) {
-        case KIND_Q4_0: return 18;  /* fp16 d, 16 bytes of nibbles */
-        case KIND_Q5_0: return 22;  /* fp16 d, 4 bytes qh, 16 qs */
-        case KIND_Q5_1: return 24;  /* fp16 d, fp16 m, 4 qh, 16 qs */
-        case KIND_Q4_K: return 144; /* fp16 d, dmin, 12 bytes of scales, 128 qs */
-        case KIND_Q5_K: return 176; /* fp16 d, dmin, 12 scales, 32 qh, 128 qs */
-        default: return 210;        /* Q6_K: 128 ql, 64 qh, 16 int8 scales, fp16 d */
-    }
-}
-
-static inline int k_block_weights(int kind) { return kind >= KIND_Q4_K ? 256 : 32; }
-
 /* Bytes of a row of K weights. */
 static inline int64_t k_row_bytes(int kind, int64_t K) { return K / k_block_weights(kind) * k_block_bytes(kind); }
 

@@ -1,6 +1,6 @@
 /*
- * The int8-activation matmuls over weights interleaved 16 rows at a time (kinds Q4_1_X16 and
- * Q8_0_X16, made at load by pdserve/kernels/cpu/quant.py's interleave_rows for
+ * The int8-activation matmuls over weights interleaved 16 rows at a time (kinds Q4_1_X16,
+ * Q8_0_X16, Q4_0_X16, Q5_0_X16, Q5_1_X16 and Q4_K_X16, made at load by pdserve/kernels/cpu/quant.py's interleave_rows for
  * --quantization gguf-a8 / int8-a8 on CPUs with AVX512-VNNI): the arithmetic of
  * quants_a8.c (x quantized per block of 32, y = sum_b dw d (q . xq) + m s), with 16
  * output rows in the 16 int32 lanes of one vector.
@@ -88,11 +88,6 @@ static void x16_gguf_block(int kind, const uint8_t *w, int64_t K, int64_t n, int
         at += 4;
     }
     for (int i = 0; i < 4; i++) memcpy(block + at + 4 * i, chunk + 64 * i + 4 * lane, 4);
-}
-
-/* The plain kind (KIND_Q4_0 ...) of an interleaved GGUF kind. */
-static inline int x16_gguf_plain(int kind) {
-    return kind == KIND_Q4_K_X16 ? KIND_Q4_K : kind - KIND_Q4_0_X16 + KIND_Q4_0;
 }
 
 /* Sub-block s (of 32 weights) of weight row n of an interleaved GGUF kind, decoded as quants_k.h
