@@ -89,7 +89,7 @@ def test_interleaving_refuses_what_it_cannot_lay_out():
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 37])  # 37: prefill tiles and rows left over
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 576), (32, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_kernel_computes_what_the_reference_does(ggml_type, rows, dtype, shape):
@@ -108,10 +108,11 @@ def test_the_kernel_computes_what_the_reference_does(ggml_type, rows, dtype, sha
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_is_the_same_in_any_batch(ggml_type):
     k = fit(ggml_type, 576)
-    kind, blocks = cpu_quant.interleave_rows(*kernel_blocks(ggml_type, 64, k), k)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(11))
+    kind, blocks = cpu_quant.interleave_rows(*kernel_blocks(ggml_type, 48, k), k)  # 3 groups: one odd
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(11))
     whole = cpu_quant.quant_matmul(x, kind, blocks, k, int8_activations=True)
-    for rows in (1, 3, 8, 9):  # tiles of 8 rows of x, and what is left
+    # decode's tiles of 8 rows of x and what is left; prefill's (32 rows or more) and what is left
+    for rows in (1, 3, 8, 9, 16, 32, 33, 37):
         part = cpu_quant.quant_matmul(x[-rows:], kind, blocks, k, int8_activations=True)
         assert torch.equal(part, whole[-rows:]), rows
 
