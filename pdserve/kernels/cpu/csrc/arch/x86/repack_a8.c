@@ -234,16 +234,19 @@ static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int r
 #undef X16_GROUP
 }
 
-/* Prefill's Q4_K_X16 (Q4K_TILE_MIN_ROWS or more rows of x): tiles of Q4K_TILE_ROWS rows against
- * Q4K_TILE_GROUPS groups. group_q4_k (decode's shape) gives each broadcast of x one vpdpbusd and
- * decodes a sub-block's scales per tile; here a broadcast serves a vpdpbusd per group, a decoded
- * weight vector one per row, and the scales are decoded once per group for every tile. 256x2048
- * by 2048-16384 outputs on one Zen 5 core, GOP/s: group_q4_k 455-474; tiles of 4x2 565-595,
- * 5x2 644-678, 6x2 615-627, 8x2 587-609, 5x3 636-657, 3x4 514-530; the vpdpbusd peak 1077. Below
- * 32 rows the scales' decode is not paid back (8 rows: 251-446 against 429-474). */
-#define Q4K_TILE_ROWS 5
-#define Q4K_TILE_GROUPS 2
-#define Q4K_TILE_MIN_ROWS 32
+/* Prefill (TILE_MIN_ROWS or more rows of x): tiles of TILE_ROWS rows against TILE_GROUPS groups.
+ * The group_* kernels (decode's shape) give each broadcast of x one vpdpbusd, and group_q4_k decodes
+ * a sub-block's scales again for every tile of rows; in a tile a broadcast serves a vpdpbusd per
+ * group and a weight vector one per row, and Q4_K's scales are decoded once per group for all its
+ * tiles. 512 rows by 2048 inputs and 2048-16384 outputs on one Zen 5 core (vpdpbusd's peak there:
+ * 1077 GOP/s), GOP/s before -> after: Q4_K 455-474 -> 644-678 (tiles of 4x2 565-595, 6x2 615-627,
+ * 8x2 587-609, 5x3 636-657, 3x4 514-530), Q8_0 582-616 -> 646-751, Q4_0 606-629 -> 709-767, Q5_0
+ * 580-594 -> 679-705, Q4_1 601-615 -> 652-684, Q5_1 534-553 -> 620-642 (4 and 6 rows a tile did
+ * as well for the blocks of 32). Below 32 rows the group_* kernels stay: Q4_K's scales' decode is
+ * not paid back there (8 rows: 251-446 against 429-474 GOP/s). */
+#define TILE_ROWS 5
+#define TILE_GROUPS 2
+#define TILE_MIN_ROWS 32
 
 /* Every sub-block's dw = d sc[s] and m = dmin m[s] of a group's 16 rows (group_q4_k's values),
  * as 2 vectors a block in `scales`. */
@@ -264,14 +267,14 @@ static void q4_k_group_scales(const uint8_t *group, int64_t K, float *scales) {
     }
 }
 
-/* A tile: Q4K_TILE_ROWS rows of x against Q4K_TILE_GROUPS groups (`group`, the next one
+/* A tile: TILE_ROWS rows of x against TILE_GROUPS groups (`group`, the next one
  * `group_bytes` on), whose scales q4_k_group_scales wrote one after the other. Each (output, row)
  * pair gets group_q4_k's arithmetic in its order (the sub-block's integer dot, then the two fmas),
- * so a row's bits do not depend on its batch. out[r * Q4K_TILE_GROUPS + g]: row r's outputs of
+ * so a row's bits do not depend on its batch. out[r * TILE_GROUPS + g]: row r's outputs of
  * group g. */
 static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *group, int64_t group_bytes, X16In x,
                                                             const float *scales, __m512 *out) {
-    enum { MR = Q4K_TILE_ROWS, NG = Q4K_TILE_GROUPS };
+    enum { MR = TILE_ROWS, NG = TILE_GROUPS };
     const int64_t blocks = x.K / QK, chunk_bytes = X16 * 144;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[MR * NG];
@@ -306,6 +309,76 @@ static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *group
     for (int i = 0; i < MR * NG; i++) out[i] = acc[i];
 }
 
+/* tile_q4_k for the kinds of blocks of 32 (Q4_1_X16, Q8_0_X16, Q4_0_X16, Q5_0_X16, Q5_1_X16), each
+ * (output, row) pair with its group_* kernel's arithmetic in its order. */
+static inline __attribute__((always_inline)) void tile_blocks32(const int kind, const uint8_t *group,
+                                                                int64_t group_bytes, X16In x, __m512 *out) {
+    enum { MR = TILE_ROWS, NG = TILE_GROUPS };
+    const int is_q8 = kind == KIND_Q8_0_X16, has_qh = kind == KIND_Q5_0_X16 || kind == KIND_Q5_1_X16;
+    const int has_min = kind == KIND_Q4_1_X16 || kind == KIND_Q5_1_X16;
+    const int64_t blocks = x.K / QK, chunk_bytes = X16 * block_bytes(kind);
+    const int scales_at = is_q8 ? 512 : 256 + 64 * has_qh;
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_loadu_si512(FIFTH_BITS);
+    __m512 acc[MR * NG], mins[MR * NG];
+    for (int i = 0; i < MR * NG; i++) acc[i] = mins[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunk = group + b * chunk_bytes;
+        __m512i dot[MR * NG];
+        for (int r = 0; r < MR; r++) {
+            const __m512i start = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(x.start[r * blocks + b]);
+            for (int g = 0; g < NG; g++) dot[r * NG + g] = start;
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            __m512i w[NG];
+            for (int g = 0; g < NG; g++) {
+                const uint8_t *at = chunk + g * group_bytes;
+                if (is_q8) {
+                    w[g] = _mm512_loadu_si512(at + 64 * i);
+                    continue;
+                }
+                const __m512i bytes = _mm512_loadu_si512(at + 64 * (i % 4));
+                w[g] = _mm512_and_si512(i < 4 ? bytes : _mm512_srli_epi16(bytes, 4), low);
+                if (has_qh) {
+                    const __m512i qh = _mm512_loadu_si512(at + 256);
+                    const int shift = i < 4 ? 4 * i : 16 + 4 * (i - 4);
+                    w[g] = _mm512_or_si512(w[g], _mm512_permutexvar_epi32(_mm512_srli_epi32(qh, shift), fifth));
+                }
+            }
+            for (int r = 0; r < MR; r++) {
+                const __m512i xb = broadcast_u32(x.q + r * x.K + b * QK + 4 * i);
+                for (int g = 0; g < NG; g++) dot[r * NG + g] = _mm512_dpbusd_epi32(dot[r * NG + g], w[g], xb);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *at = chunk + g * group_bytes + scales_at;
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+            const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 32)))
+                                     : _mm512_setzero_ps();
+            for (int r = 0; r < MR; r++) {
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
+                acc[r * NG + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r * NG + g]), scale, acc[r * NG + g]);
+                if (has_min) mins[r * NG + g] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r * NG + g]);
+            }
+        }
+    }
+    for (int i = 0; i < MR * NG; i++) out[i] = has_min ? _mm512_add_ps(acc[i], mins[i]) : acc[i];
+}
+
+/* tile_q4_k / tile_blocks32 with the kind a constant. */
+static inline void tile_dispatch(int kind, const uint8_t *group, int64_t group_bytes, X16In x, const float *scales,
+                                 __m512 *out) {
+    switch (kind) {
+        case KIND_Q4_K_X16: tile_q4_k(group, group_bytes, x, scales, out); return;
+        case KIND_Q8_0_X16: tile_blocks32(KIND_Q8_0_X16, group, group_bytes, x, out); return;
+        case KIND_Q4_0_X16: tile_blocks32(KIND_Q4_0_X16, group, group_bytes, x, out); return;
+        case KIND_Q5_0_X16: tile_blocks32(KIND_Q5_0_X16, group, group_bytes, x, out); return;
+        case KIND_Q4_1_X16: tile_blocks32(KIND_Q4_1_X16, group, group_bytes, x, out); return;
+        default: tile_blocks32(KIND_Q5_1_X16, group, group_bytes, x, out); return;
+    }
+}
+
+/* x from its row m0 on. */
 static inline X16In rows_from(X16In x, int64_t m0) {
     x.q += m0 * x.K;
     x.d += m0 * x.stride;
@@ -314,36 +387,36 @@ static inline X16In rows_from(X16In x, int64_t m0) {
     return x;
 }
 
-/* pd_repack_a8_gemm for Q4_K_X16 at Q4K_TILE_MIN_ROWS or more rows: a task a pair of groups,
- * its tiles down the rows; the rows below a whole tile, a last odd group, or a task whose scales
- * found no memory go as group_dispatch's. */
-static void gemm_q4_k_tiles(X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16, int threads,
-                            int64_t group_bytes) {
-    enum { MR = Q4K_TILE_ROWS, NG = Q4K_TILE_GROUPS };
+/* pd_repack_a8_gemm at TILE_MIN_ROWS or more rows: a task a pair of groups, its tiles down the
+ * rows (Q4_K_X16's scales decoded first); the rows below a whole tile, a last odd group, or a task
+ * whose scales found no memory go as group_dispatch's. */
+static void gemm_tiles(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
+                       int threads, int64_t group_bytes) {
+    enum { NG = TILE_GROUPS };
+    const int MR = TILE_ROWS, is_q4_k = kind == KIND_Q4_K_X16;
     const int64_t groups = N / X16, tasks = (groups + NG - 1) / NG;
     const size_t scale_bytes = (size_t)NG * (x.K / QK) * 2 * X16 * sizeof(float);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t g0 = task * NG;
-        float *scales = groups - g0 >= NG ? aligned_alloc(64, scale_bytes) : NULL;
-        const int64_t tiled = scales ? M / MR * MR : 0;
-        if (scales) {
+        float *scales = is_q4_k && groups - g0 >= NG ? aligned_alloc(64, scale_bytes) : NULL;
+        const int whole = groups - g0 >= NG && (scales || !is_q4_k);
+        const int64_t tiled = whole ? M / MR * MR : 0;
+        if (scales)
             for (int g = 0; g < NG; g++)
                 q4_k_group_scales(w + (g0 + g) * group_bytes, x.K, scales + (size_t)g * (x.K / QK) * 2 * X16);
-            for (int64_t m0 = 0; m0 < tiled; m0 += MR) {
-                __m512 out[MR * NG];
-                tile_q4_k(w + g0 * group_bytes, group_bytes, rows_from(x, m0), scales, out);
-                for (int r = 0; r < MR; r++)
-                    for (int g = 0; g < NG; g++)
-                        put_f32x16(y, y_is_bf16, (m0 + r) * N + (g0 + g) * X16, out[r * NG + g]);
-            }
-            free(scales);
+        for (int64_t m0 = 0; m0 < tiled; m0 += MR) {
+            __m512 out[TILE_ROWS * NG];
+            tile_dispatch(kind, w + g0 * group_bytes, group_bytes, rows_from(x, m0), scales, out);
+            for (int r = 0; r < MR; r++)
+                for (int g = 0; g < NG; g++) put_f32x16(y, y_is_bf16, (m0 + r) * N + (g0 + g) * X16, out[r * NG + g]);
         }
+        free(scales);
         for (int64_t g = g0; g < groups && g < g0 + NG; g++)
             for (int64_t m0 = tiled; m0 < M; m0 += X16_ROWS) {
                 const int rows = (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS);
                 __m512 out[X16_ROWS];
-                group_dispatch(KIND_Q4_K_X16, w + g * group_bytes, rows_from(x, m0), rows, out);
+                group_dispatch(kind, w + g * group_bytes, rows_from(x, m0), rows, out);
                 for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
             }
     }
@@ -354,8 +427,8 @@ static void gemm_q4_k_tiles(X16In x, int64_t M, const uint8_t *w, int64_t N, voi
 void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                        int threads) {
     const int64_t group_bytes = x.K / x16_block_weights(kind) * X16 * block_bytes(kind);
-    if (kind == KIND_Q4_K_X16 && M >= Q4K_TILE_MIN_ROWS) {
-        gemm_q4_k_tiles(x, M, w, N, y, y_is_bf16, threads, group_bytes);
+    if (M >= TILE_MIN_ROWS) {
+        gemm_tiles(kind, x, M, w, N, y, y_is_bf16, threads, group_bytes);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
