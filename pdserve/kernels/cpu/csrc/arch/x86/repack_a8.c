@@ -238,8 +238,8 @@ static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int r
  * The group_* kernels (decode's shape) give each broadcast of x one vpdpbusd, and group_q4_k decodes
  * a sub-block's scales again for every tile of rows; in a tile a broadcast serves a vpdpbusd per
  * group and a weight vector one per row, and Q4_K's scales are decoded once per group for all its
- * tiles. 512 rows by 2048 inputs and 2048-16384 outputs on one Zen 5 core (vpdpbusd's peak there:
- * 1077 GOP/s), GOP/s before -> after: Q4_K 455-474 -> 644-678 (tiles of 4x2 565-595, 6x2 615-627,
+ * tiles. 512 rows of x by the 1B-shaped model's matrices (2048 or 8192 inputs, 2048-16384 outputs)
+ * on one Zen 5 core (vpdpbusd's peak there: 1077 GOP/s), GOP/s before -> after: Q4_K 455-474 -> 644-678 (tiles of 4x2 565-595, 6x2 615-627,
  * 8x2 587-609, 5x3 636-657, 3x4 514-530), Q8_0 582-616 -> 646-751, Q4_0 606-629 -> 709-767, Q5_0
  * 580-594 -> 679-705, Q4_1 601-615 -> 652-684, Q5_1 534-553 -> 620-642 (4 and 6 rows a tile did
  * as well for the blocks of 32). Below 32 rows the group_* kernels stay: Q4_K's scales' decode is
