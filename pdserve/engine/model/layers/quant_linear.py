@@ -136,9 +136,7 @@ class QuantLinear(nn.Module):
             self.use_kernel and (decode_batch or (self.int8_activations and kind.interleaved))
             for kind in self.kinds
         ]
-        if not any(
-            on_kernel
-        ):  # a prefill chunk: the blocks decoded once for torch's GEMM, into a reused buffer
+        if not any(on_kernel):  # a prefill chunk: the blocks decoded once for torch's GEMM, reused
             out = F.linear(rows, self._decoded(x.dtype), self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
         outs = [

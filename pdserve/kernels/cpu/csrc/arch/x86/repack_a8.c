@@ -36,6 +36,12 @@ static inline __attribute__((always_inline)) __m512i block_dot(const __m512i *lo
     return _mm512_add_epi32(first, second);
 }
 
+/* acc + float(dot) * (dw * d): a block's integer dot into a row's fp32 sums, in the one order every
+ * kernel here keeps (so a row's bits do not depend on which kernel or tile computed it). */
+static inline __attribute__((always_inline)) __m512 block_scaled(__m512 acc, __m512i dot, __m512 dw, float d) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(d)), acc);
+}
+
 /* 16 weight rows (one group: `group` points at its first chunk) against `rows` rows of x:
  * out[r] = the 16 outputs of row r. */
 static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *group, X16In x, int rows, __m512 *out) {
@@ -58,8 +64,7 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = x.q + r * x.K + b * QK;
             const __m512i dot = block_dot(lo, hi, xq, _mm512_setzero_si512());
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            acc[r] = block_scaled(acc[r], dot, dw, x.d[r * x.stride + b]);
             mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r]);
         }
     }
@@ -80,8 +85,7 @@ static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *grou
         for (int r = 0; r < rows; r++) {
             const int8_t *xq = x.q + r * x.K + b * QK;
             const __m512i dot = block_dot(weights, weights + 4, xq, _mm512_set1_epi32(x.start[r * (x.K / QK) + b]));
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            acc[r] = block_scaled(acc[r], dot, dw, x.d[r * x.stride + b]);
         }
     }
     for (int r = 0; r < rows; r++) out[r] = acc[r];
@@ -132,8 +136,7 @@ static inline __attribute__((always_inline)) void group_gguf(int kind, const uin
             const int8_t *xq = x.q + r * x.K + b * QK;
             const __m512i start = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(x.start[r * blocks + b]);
             const __m512i dot = block_dot(lo, hi, xq, start);
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+            acc[r] = block_scaled(acc[r], dot, dw, x.d[r * x.stride + b]);
             if (has_min) mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r]);
         }
     }
@@ -155,6 +158,16 @@ static inline __attribute__((always_inline)) void k4_scale_min16(const __m512i *
     const __m512i high_mn = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v[1], 8 * j + 6), two), 4);
     *sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[2], 8 * j), four), high_sc);
     *mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[2], 8 * j + 4), four), high_mn);
+}
+
+/* Sub-block s's dw = d sc[s] and m = dmin m[s] of each lane's row (v, d, dmin: the super-block's
+ * scale vectors and fp32 d, dmin). */
+static inline __attribute__((always_inline)) void k4_scales16(const __m512i *v, __m512 d, __m512 dmin, int s,
+                                                              __m512 *dw, __m512 *m) {
+    __m512i sc, mn;
+    k4_scale_min16(v, s, &sc, &mn);
+    *dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    *m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
 }
 
 /* Q4_K_X16 (repack_a8.c's header): per super-block its scales decoded once for the 16 rows, then
@@ -180,10 +193,8 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
             for (int i = 0; i < 8; i++) bytes[i] = _mm512_loadu_si512(words + 64 * i);
             for (int h = 0; h < 2; h++) {
                 const int s = 2 * t + h;
-                __m512i sc, mn;
-                k4_scale_min16(v, s, &sc, &mn);
-                const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                const __m512 m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+                __m512 dw, m;
+                k4_scales16(v, d, dmin, s, &dw, &m);
                 __m512i q[8];
                 for (int i = 0; i < 8; i++)
                     q[i] = _mm512_and_si512(h ? _mm512_srli_epi16(bytes[i], 4) : bytes[i], low);
@@ -192,8 +203,7 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xq = x.q + r * x.K + b * QK;
                     const __m512i dot = block_dot(q, q + 4, xq, _mm512_setzero_si512());
-                    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                    acc[r] = block_scaled(acc[r], dot, dw, x.d[r * x.stride + b]);
                     acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), acc[r]);
                 }
             }
@@ -238,11 +248,11 @@ static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int r
  * The group_* kernels (decode's shape) give each broadcast of x one vpdpbusd, and group_q4_k decodes
  * a sub-block's scales again for every tile of rows; in a tile a broadcast serves a vpdpbusd per
  * group and a weight vector one per row, and Q4_K's scales are decoded once per group for all its
- * tiles. 512 rows of x by the 1B-shaped model's matrices (2048 or 8192 inputs, 2048-16384 outputs)
- * on one Zen 5 core (vpdpbusd's peak there: 1077 GOP/s), GOP/s before -> after: Q4_K 455-474 -> 644-678 (tiles of 4x2 565-595, 6x2 615-627,
- * 8x2 587-609, 5x3 636-657, 3x4 514-530), Q8_0 582-616 -> 646-751, Q4_0 606-629 -> 709-767, Q5_0
- * 580-594 -> 679-705, Q4_1 601-615 -> 652-684, Q5_1 534-553 -> 620-642 (4 and 6 rows a tile did
- * as well for the blocks of 32). Below 32 rows the group_* kernels stay: Q4_K's scales' decode is
+ * tiles. 512 rows of x by the 1B-shaped model's matrices (2048 or 8192 inputs, 2048-16384
+ * outputs) on one Zen 5 core (vpdpbusd's peak there: 1077 GOP/s), GOP/s before -> after: Q4_K
+ * 455-474 -> 644-678 (tiles of 4x2 565-595, 6x2 615-627, 8x2 587-609, 5x3 636-657, 3x4 514-530),
+ * Q8_0 582-616 -> 646-751, Q4_0 606-629 -> 709-767, Q5_0 580-594 -> 679-705, Q4_1 601-615 ->
+ * 652-684, Q5_1 534-553 -> 620-642 (4 and 6 rows a tile did as well for the blocks of 32). Below 32 rows the group_* kernels stay: Q4_K's scales' decode is
  * not paid back there (8 rows: 251-446 against 429-474 GOP/s). */
 #define TILE_ROWS 5
 #define TILE_GROUPS 2
@@ -258,11 +268,11 @@ static void q4_k_group_scales(const uint8_t *group, int64_t K, float *scales) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 192)));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 224)));
         for (int s = 0; s < 8; s++) {
-            __m512i sc, mn;
-            k4_scale_min16(v, s, &sc, &mn);
+            __m512 dw, m;
+            k4_scales16(v, d, dmin, s, &dw, &m);
             float *at = scales + (sb * 8 + s) * 2 * X16;
-            _mm512_storeu_ps(at, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-            _mm512_storeu_ps(at + X16, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+            _mm512_storeu_ps(at, dw);
+            _mm512_storeu_ps(at + X16, m);
         }
     }
 }
@@ -300,8 +310,7 @@ static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *group
             const float *at = scales + (g * blocks + b) * 2 * X16;
             const __m512 dw = _mm512_loadu_ps(at), m = _mm512_loadu_ps(at + X16);
             for (int r = 0; r < MR; r++) {
-                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-                acc[r * NG + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r * NG + g]), scale, acc[r * NG + g]);
+                acc[r * NG + g] = block_scaled(acc[r * NG + g], dot[r * NG + g], dw, x.d[r * x.stride + b]);
                 acc[r * NG + g] = _mm512_fnmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), acc[r * NG + g]);
             }
         }
@@ -356,8 +365,7 @@ static inline __attribute__((always_inline)) void tile_blocks32(const int kind, 
             const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 32)))
                                      : _mm512_setzero_ps();
             for (int r = 0; r < MR; r++) {
-                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.stride + b]));
-                acc[r * NG + g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r * NG + g]), scale, acc[r * NG + g]);
+                acc[r * NG + g] = block_scaled(acc[r * NG + g], dot[r * NG + g], dw, x.d[r * x.stride + b]);
                 if (has_min) mins[r * NG + g] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[r * x.stride + b]), mins[r * NG + g]);
             }
         }
@@ -387,13 +395,24 @@ static inline X16In rows_from(X16In x, int64_t m0) {
     return x;
 }
 
+/* Rows m0.. M - 1 of x against group g, X16_ROWS at a time by group_dispatch (decode's shape). */
+static inline void group_rows(int kind, X16In x, int64_t m0, int64_t M, const uint8_t *w, int64_t N, int64_t g,
+                              int64_t group_bytes, void *y, int y_is_bf16) {
+    for (; m0 < M; m0 += X16_ROWS) { /* further rows read the group from cache */
+        const int rows = (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS);
+        __m512 out[X16_ROWS];
+        group_dispatch(kind, w + g * group_bytes, rows_from(x, m0), rows, out);
+        for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
+    }
+}
+
 /* pd_repack_a8_gemm at TILE_MIN_ROWS or more rows: a task a pair of groups, its tiles down the
  * rows (Q4_K_X16's scales decoded first); the rows below a whole tile, a last odd group, or a task
  * whose scales found no memory go as group_dispatch's. */
 static void gemm_tiles(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                        int threads, int64_t group_bytes) {
-    enum { NG = TILE_GROUPS };
-    const int MR = TILE_ROWS, is_q4_k = kind == KIND_Q4_K_X16;
+    enum { MR = TILE_ROWS, NG = TILE_GROUPS };
+    const int is_q4_k = kind == KIND_Q4_K_X16;
     const int64_t groups = N / X16, tasks = (groups + NG - 1) / NG;
     const size_t scale_bytes = (size_t)NG * (x.K / QK) * 2 * X16 * sizeof(float);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -406,24 +425,18 @@ static void gemm_tiles(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
             for (int g = 0; g < NG; g++)
                 q4_k_group_scales(w + (g0 + g) * group_bytes, x.K, scales + (size_t)g * (x.K / QK) * 2 * X16);
         for (int64_t m0 = 0; m0 < tiled; m0 += MR) {
-            __m512 out[TILE_ROWS * NG];
+            __m512 out[MR * NG];
             tile_dispatch(kind, w + g0 * group_bytes, group_bytes, rows_from(x, m0), scales, out);
             for (int r = 0; r < MR; r++)
                 for (int g = 0; g < NG; g++) put_f32x16(y, y_is_bf16, (m0 + r) * N + (g0 + g) * X16, out[r * NG + g]);
         }
         free(scales);
-        for (int64_t g = g0; g < groups && g < g0 + NG; g++)
-            for (int64_t m0 = tiled; m0 < M; m0 += X16_ROWS) {
-                const int rows = (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS);
-                __m512 out[X16_ROWS];
-                group_dispatch(kind, w + g * group_bytes, rows_from(x, m0), rows, out);
-                for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
-            }
+        for (int64_t g = g0; g < groups && g < g0 + NG; g++) group_rows(kind, x, tiled, M, w, N, g, group_bytes, y, y_is_bf16);
     }
 }
 
 /* pd_repack_a8_gemm_generic's sums with vpdpbusd: a group of 16 weight rows a task, tiles of X16_ROWS
- * rows of x against it; Q4_K_X16's prefill as gemm_q4_k_tiles. */
+ * rows of x against it (group_rows); TILE_MIN_ROWS or more rows as gemm_tiles. */
 void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N, void *y, int y_is_bf16,
                        int threads) {
     const int64_t group_bytes = x.K / x16_block_weights(kind) * X16 * block_bytes(kind);
@@ -432,12 +445,6 @@ void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t g = 0; g < N / X16; g++)
-        for (int64_t m0 = 0; m0 < M; m0 += X16_ROWS) { /* further rows read the group from cache */
-            const int rows = (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS);
-            __m512 out[X16_ROWS];
-            group_dispatch(kind, w + g * group_bytes, rows_from(x, m0), rows, out);
-            for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
-        }
+    for (int64_t g = 0; g < N / X16; g++) group_rows(kind, x, 0, M, w, N, g, group_bytes, y, y_is_bf16);
 }
 #endif
