@@ -19,10 +19,22 @@
  * block's 8 weight vectors. */
 #define X16_ROWS 8
 
-/* Bytes ahead of the block being read that are asked for (the groups follow each other). In a
- * whole decode step at one sequence (bench step, gguf-a8 bf16, one Zen 5 core): 8 KB 3.32-3.46
- * ms, 16 KB 3.42-3.49, 24 KB 3.43-3.45; in a loop over the matrices alone 16 KB did best. */
+/* Bytes ahead of the block being read that are asked for (the groups follow each other), per
+ * thread: X16_PREFETCH_BYTES over the threads of the call, at least X16_PREFETCH_MIN. The threads
+ * share the memory's bandwidth, so each keeps its bytes in flight for less long. In a whole decode
+ * step at one sequence (bench step, gguf-a8 bf16, one Zen 5 core): 8 KB 3.32-3.46 ms, 16 KB
+ * 3.42-3.49, 24 KB 3.43-3.45. Streaming the 1B-shaped file's Q4_K matrices (2048 x 8192, 8192 x
+ * 2048) from memory at one row of x, GB/s, 2 threads, rounds interleaved: 2 KB 30.9-36.9, 3 KB
+ * 34.4-38.9, 4 KB 37.7-39.0, 6 KB 34.4-36.7, 8 KB 34.5-36.0, 16 KB 33.4-34.6, 24 KB 28.9-32.6
+ * (prefetch to L2 instead, 8 or 16 KB: 31.0-34.1; none: 27.1-28.9); one thread: 4 KB 28.6-29.7,
+ * 8 KB 29.7-30.5. */
 #define X16_PREFETCH_BYTES 8192
+#define X16_PREFETCH_MIN 2048
+
+static inline int64_t x16_ahead(int threads) {
+    const int64_t ahead = X16_PREFETCH_BYTES / (threads > 1 ? threads : 1);
+    return ahead > X16_PREFETCH_MIN ? ahead : X16_PREFETCH_MIN;
+}
 
 /* One block's integer dot for a row of x: weights 0-15 (`lo`, 4 vectors of 4 each) and 16-31 (`hi`)
  * against x's 32 int8 at xq, in two chains (the first from `start`), added. */
@@ -44,14 +56,15 @@ static inline __attribute__((always_inline)) __m512 block_scaled(__m512 acc, __m
 
 /* 16 weight rows (one group: `group` points at its first chunk) against `rows` rows of x:
  * out[r] = the 16 outputs of row r. */
-static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *group, X16In x, int rows, __m512 *out) {
+static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *group, X16In x, int rows, int64_t ahead,
+                                                             __m512 *out) {
     const int64_t blocks = x.K / QK;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[X16_ROWS], mins[X16_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = mins[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * X16 * Q4_1_BYTES;
-        for (int line = 0; line < 5; line++) _mm_prefetch((const char *)chunk + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+        for (int line = 0; line < 5; line++) _mm_prefetch((const char *)chunk + ahead + 64 * line, _MM_HINT_T0);
         __m512i lo[4], hi[4];
         for (int i = 0; i < 4; i++) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * i);
@@ -71,13 +84,14 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
     for (int r = 0; r < rows; r++) out[r] = _mm512_add_ps(acc[r], mins[r]);
 }
 
-static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *group, X16In x, int rows, __m512 *out) {
+static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *group, X16In x, int rows, int64_t ahead,
+                                                             __m512 *out) {
     const int64_t blocks = x.K / QK;
     __m512 acc[X16_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * X16 * Q8_0_BYTES;
-        for (int line = 0; line < 9; line++) _mm_prefetch((const char *)chunk + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+        for (int line = 0; line < 9; line++) _mm_prefetch((const char *)chunk + ahead + 64 * line, _MM_HINT_T0);
         __m512i weights[8];
         for (int i = 0; i < 8; i++) weights[i] = _mm512_loadu_si512(chunk + 64 * i);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(chunk + 512)));
@@ -103,7 +117,7 @@ static const int32_t FIFTH_BITS[16] = {
  * ORed in from the qh vector, Q4_0's and Q5_0's offsets taken back by x.start, Q5_1's minima as
  * Q4_1's. */
 static inline __attribute__((always_inline)) void group_gguf(int kind, const uint8_t *group, X16In x, int rows,
-                                                             __m512 *out) {
+                                                             int64_t ahead, __m512 *out) {
     const int64_t blocks = x.K / QK;
     const int has_qh = kind != KIND_Q4_0_X16, has_min = kind == KIND_Q5_1_X16;
     const int64_t chunk_bytes = X16 * block_bytes(kind);
@@ -113,7 +127,7 @@ static inline __attribute__((always_inline)) void group_gguf(int kind, const uin
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * chunk_bytes;
         for (int line = 0; line < chunk_bytes / 64; line++)
-            _mm_prefetch((const char *)chunk + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)chunk + ahead + 64 * line, _MM_HINT_T0);
         __m512i lo[4], hi[4];
         for (int i = 0; i < 4; i++) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * i);
@@ -172,7 +186,8 @@ static inline __attribute__((always_inline)) void k4_scales16(const __m512i *v, 
 
 /* Q4_K_X16 (repack_a8.c's header): per super-block its scales decoded once for the 16 rows, then
  * each sub-block as Q4_1's block, with scale d sc[s] and minimum -dmin m[s]. */
-static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *group, X16In x, int rows, __m512 *out) {
+static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *group, X16In x, int rows, int64_t ahead,
+                                                             __m512 *out) {
     const int64_t supers = x.K / 256, chunk_bytes = X16 * 144;
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[X16_ROWS]; /* the minima go into the same sums: 8 fewer registers than Q4_1's */
@@ -180,7 +195,7 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
     for (int64_t sb = 0; sb < supers; sb++) {
         const uint8_t *chunk = group + sb * chunk_bytes, *head = chunk + 32 * 64;
         for (int line = 0; line < 4; line++) /* the words' lines are asked for pair by pair below */
-            _mm_prefetch((const char *)head + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)head + ahead + 64 * line, _MM_HINT_T0);
         __m512i v[3];
         for (int k = 0; k < 3; k++) v[k] = _mm512_loadu_si512(head + 64 * k);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 192)));
@@ -188,7 +203,7 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
         for (int t = 0; t < 4; t++) { /* a pair of sub-blocks: 8 vectors, low nibbles then high */
             const uint8_t *words = chunk + 64 * 8 * t;
             for (int line = 0; line < 8; line++)
-                _mm_prefetch((const char *)words + X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+                _mm_prefetch((const char *)words + ahead + 64 * line, _MM_HINT_T0);
             __m512i bytes[8];
             for (int i = 0; i < 8; i++) bytes[i] = _mm512_loadu_si512(words + 64 * i);
             for (int h = 0; h < 2; h++) {
@@ -214,22 +229,22 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
 
 /* group_q4_1 / group_q8_0 / group_gguf / group_q4_k with the kind and rows constants, so that the
  * loops unroll into registers. */
-static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int rows, __m512 *out) {
-#define X16_GROUP(ROWS)                                                                 \
-    do {                                                                                \
-        if (kind == KIND_Q4_1_X16)                                                      \
-            group_q4_1(group, x, ROWS, out);                                            \
-        else if (kind == KIND_Q8_0_X16)                                                 \
-            group_q8_0(group, x, ROWS, out);                                            \
-        else if (kind == KIND_Q4_0_X16)                                                 \
-            group_gguf(KIND_Q4_0_X16, group, x, ROWS, out);                             \
-        else if (kind == KIND_Q5_0_X16)                                                 \
-            group_gguf(KIND_Q5_0_X16, group, x, ROWS, out);                             \
-        else if (kind == KIND_Q4_K_X16)                                                 \
-            group_q4_k(group, x, ROWS, out);                                            \
-        else                                                                            \
-            group_gguf(KIND_Q5_1_X16, group, x, ROWS, out);                             \
-        return;                                                                         \
+static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int rows, int64_t ahead, __m512 *out) {
+#define X16_GROUP(ROWS)                                                                        \
+    do {                                                                                       \
+        if (kind == KIND_Q4_1_X16)                                                             \
+            group_q4_1(group, x, ROWS, ahead, out);                                            \
+        else if (kind == KIND_Q8_0_X16)                                                        \
+            group_q8_0(group, x, ROWS, ahead, out);                                            \
+        else if (kind == KIND_Q4_0_X16)                                                        \
+            group_gguf(KIND_Q4_0_X16, group, x, ROWS, ahead, out);                             \
+        else if (kind == KIND_Q5_0_X16)                                                        \
+            group_gguf(KIND_Q5_0_X16, group, x, ROWS, ahead, out);                             \
+        else if (kind == KIND_Q4_K_X16)                                                        \
+            group_q4_k(group, x, ROWS, ahead, out);                                            \
+        else                                                                                   \
+            group_gguf(KIND_Q5_1_X16, group, x, ROWS, ahead, out);                             \
+        return;                                                                                \
     } while (0)
     switch (rows) {
         case 1: X16_GROUP(1);
@@ -397,11 +412,11 @@ static inline X16In rows_from(X16In x, int64_t m0) {
 
 /* Rows m0.. M - 1 of x against group g, X16_ROWS at a time by group_dispatch (decode's shape). */
 static inline void group_rows(int kind, X16In x, int64_t m0, int64_t M, const uint8_t *w, int64_t N, int64_t g,
-                              int64_t group_bytes, void *y, int y_is_bf16) {
+                              int64_t group_bytes, int64_t ahead, void *y, int y_is_bf16) {
     for (; m0 < M; m0 += X16_ROWS) { /* further rows read the group from cache */
         const int rows = (int)(M - m0 < X16_ROWS ? M - m0 : X16_ROWS);
         __m512 out[X16_ROWS];
-        group_dispatch(kind, w + g * group_bytes, rows_from(x, m0), rows, out);
+        group_dispatch(kind, w + g * group_bytes, rows_from(x, m0), rows, ahead, out);
         for (int r = 0; r < rows; r++) put_f32x16(y, y_is_bf16, (m0 + r) * N + g * X16, out[r]);
     }
 }
@@ -431,7 +446,8 @@ static void gemm_tiles(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
                 for (int g = 0; g < NG; g++) put_f32x16(y, y_is_bf16, (m0 + r) * N + (g0 + g) * X16, out[r * NG + g]);
         }
         free(scales);
-        for (int64_t g = g0; g < groups && g < g0 + NG; g++) group_rows(kind, x, tiled, M, w, N, g, group_bytes, y, y_is_bf16);
+        for (int64_t g = g0; g < groups && g < g0 + NG; g++)
+            group_rows(kind, x, tiled, M, w, N, g, group_bytes, x16_ahead(threads), y, y_is_bf16);
     }
 }
 
@@ -444,7 +460,8 @@ void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
         gemm_tiles(kind, x, M, w, N, y, y_is_bf16, threads, group_bytes);
         return;
     }
+    const int64_t ahead = x16_ahead(threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t g = 0; g < N / X16; g++) group_rows(kind, x, 0, M, w, N, g, group_bytes, y, y_is_bf16);
+    for (int64_t g = 0; g < N / X16; g++) group_rows(kind, x, 0, M, w, N, g, group_bytes, ahead, y, y_is_bf16);
 }
 #endif
