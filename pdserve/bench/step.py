@@ -4,8 +4,9 @@ A decode step at small batch reads every weight once, so its floor is the bytes 
 it reads divided by the memory bandwidth of the cores it runs on. This benchmark measures both
 in the same run and splits the measured step into what explains it:
 
-- ``bandwidth``: a ``sum()`` over 512 MB on this process's torch threads (the floor's
-  denominator; 24-26 GB/s on one core of the AMD EPYC here);
+- ``bandwidth``: a ``sum()`` over 512 MB on this process's torch threads, before every repeat
+  of the steps, the median (the floor's denominator; 24-26 GB/s on one core of the AMD EPYC
+  here; on a shared VM it moves between minutes, so it is read beside the steps it explains);
 - ``weight MB``: the decoder projections, the norms and the LM head as the engine holds them
   (bf16 projections packed for oneDNN read the same bytes as plain bf16; ``--quantization gguf``
   reads the file's blocks: 5 bits a weight for Q4_1, 8.5 for the Q8_0 head);
@@ -47,9 +48,11 @@ if TYPE_CHECKING:
 BANDWIDTH_BYTES = 512 * 1024 * 1024
 
 
-def memory_bandwidth_gbs(repeats: int = 5) -> float:
-    """GB/s of a ``sum()`` over 512 MB of float32 (best of ``repeats``): streaming reads."""
-    data = torch.ones(BANDWIDTH_BYTES // 4)
+def memory_bandwidth_gbs(repeats: int = 5, data: torch.Tensor | None = None) -> float:
+    """GB/s of a ``sum()`` over 512 MB of float32 (best of ``repeats``): streaming reads.
+    ``data``: the 512 MB to read (allocated here if None)."""
+    if data is None:
+        data = torch.ones(BANDWIDTH_BYTES // 4)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -162,8 +165,10 @@ def measure(
     net = llm.engine.runner.model
     runner = llm.engine.runner
     nbytes = weight_bytes(net)
-    bandwidth = memory_bandwidth_gbs()
-    floor_s = nbytes / (bandwidth * 1e9)
+    # The rate memory is read at changes from minute to minute on a shared VM (8.5 or 14 ms for
+    # the same 667 MB, minutes apart): it is measured before every repeat of the steps it is the
+    # floor of, and the floor is their median.
+    bandwidth_data = torch.ones(BANDWIDTH_BYTES // 4)
     step_times: list[float] = []
     execute = runner.execute_model
 
@@ -185,9 +190,13 @@ def measure(
         params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
         llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         step_times.clear()
+        bandwidths = []
         for _ in range(repeats):
+            bandwidths.append(memory_bandwidth_gbs(3, bandwidth_data))
             llm.generate(prompts, params)
         step_s = statistics.median(step_times)
+        bandwidth = statistics.median(bandwidths)
+        floor_s = nbytes / (bandwidth * 1e9)
 
         matmul_s = time_matmuls(net, batch, repeats * 3)
         attention_s = time_attention(runner, batch, context + decode_tokens // 2, repeats * 3)
