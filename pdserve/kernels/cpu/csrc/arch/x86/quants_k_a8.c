@@ -62,6 +62,7 @@
 #include "bf16.h"
 #include "blocks.h"
 #include "quants_k.h"
+#include "prefetch.h"
 #include <omp.h>
 
 #if PD_HAS_AVX2
@@ -413,7 +414,7 @@ typedef struct {
     int y_is_bf16;
     const Lanes16 *lanes;
     const Small16 *small;
-    int64_t ahead; /* bytes ahead a row at a time is fetched (k_a8_ahead) */
+    int64_t ahead; /* bytes ahead a row at a time is fetched (prefetch_ahead) */
 } Job;
 
 /* Whether a row ends in a partial unit: a small kind's K % 256 weights. */
@@ -447,15 +448,9 @@ static inline void copy_last(int kind, const Job *job, int64_t n, uint8_t *last)
  * 1.07-1.33x / 1.09-1.23x a read of their bytes a row at a time against 1.24-1.35x in tiles of 4,
  * and Q4_0 / Q5_0 (K = 8192) 1.10-1.14x / 1.11-1.22x in tiles against 1.2-2.3x a row at a time
  * (why the small kinds stall in one stream is not understood: 30 cycles a unit where in cache it
- * is 15); 4-24 KB ahead made no difference beyond the noise. With more threads each fetches
- * K_A8_ROW_AHEAD over their number ahead (at least 2 KB), as arch/x86/repack_a8.c's x16_ahead:
+ * is 15); 4-24 KB ahead made no difference beyond the noise. With more threads, prefetch_ahead:
  * Q6_K 2048 x 8192 streamed by 2 threads, 4 KB 42.1-44.6 GB/s against 8 KB's 40.5-42.8. */
 #define K_A8_ROW_AHEAD 8192
-
-static inline int64_t k_a8_ahead(int threads) {
-    const int64_t ahead = K_A8_ROW_AHEAD / (threads > 1 ? threads : 1);
-    return ahead > 2048 ? ahead : 2048;
-}
 
 /* A unit's bytes from `at`, one prefetch a cache line. */
 static inline __attribute__((always_inline)) void prefetch_unit(int kind, const uint8_t *at) {
@@ -597,7 +592,7 @@ int pd_quant_k_a8_gemm(int kind, const int8_t *q, const float *d, int64_t stride
     const Lanes16 lanes = lanes16(kind);
     const Small16 small = small16(family_of(kind) == FAMILY_SMALL ? kind : KIND_Q4_0);
     const Job job = {w, records, k_row_bytes(kind, K), units, K, M, N, y,
-                     y_is_bf16, &lanes, &small, k_a8_ahead(threads)};
+                     y_is_bf16, &lanes, &small, prefetch_ahead(K_A8_ROW_AHEAD, threads)};
     const int64_t grain = M == 1 ? K_A8_COLS : K_A8_BLOCK, pieces = (N + grain - 1) / grain;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {

@@ -11,6 +11,7 @@
 #include "bf16.h"
 #include "blocks.h"
 #include "repack.h"
+#include "prefetch.h"
 #include <omp.h>
 #include <stdlib.h>
 
@@ -19,22 +20,14 @@
  * block's 8 weight vectors. */
 #define X16_ROWS 8
 
-/* Bytes ahead of the block being read that are asked for (the groups follow each other), per
- * thread: X16_PREFETCH_BYTES over the threads of the call, at least X16_PREFETCH_MIN. The threads
- * share the memory's bandwidth, so each keeps its bytes in flight for less long. In a whole decode
- * step at one sequence (bench step, gguf-a8 bf16, one Zen 5 core): 8 KB 3.32-3.46 ms, 16 KB
- * 3.42-3.49, 24 KB 3.43-3.45. Streaming the 1B-shaped file's Q4_K matrices (2048 x 8192, 8192 x
- * 2048) from memory at one row of x, GB/s, 2 threads, rounds interleaved: 2 KB 30.9-36.9, 3 KB
- * 34.4-38.9, 4 KB 37.7-39.0, 6 KB 34.4-36.7, 8 KB 34.5-36.0, 16 KB 33.4-34.6, 24 KB 28.9-32.6
- * (prefetch to L2 instead, 8 or 16 KB: 31.0-34.1; none: 27.1-28.9); one thread: 4 KB 28.6-29.7,
- * 8 KB 29.7-30.5. */
+/* Bytes ahead of the block being read that are asked for at one thread (the groups follow each
+ * other; with more, prefetch_ahead). In a whole decode step at one sequence (bench step, gguf-a8
+ * bf16, one Zen 5 core): 8 KB 3.32-3.46 ms, 16 KB 3.42-3.49, 24 KB 3.43-3.45. Streaming the
+ * 1B-shaped file's Q4_K matrices (2048 x 8192, 8192 x 2048) from memory at one row of x, GB/s, 2
+ * threads, rounds interleaved: 2 KB 30.9-36.9, 3 KB 34.4-38.9, 4 KB 37.7-39.0, 6 KB 34.4-36.7, 8
+ * KB 34.5-36.0, 16 KB 33.4-34.6, 24 KB 28.9-32.6 (prefetch to L2 instead, 8 or 16 KB: 31.0-34.1;
+ * none: 27.1-28.9); one thread: 4 KB 28.6-29.7, 8 KB 29.7-30.5. */
 #define X16_PREFETCH_BYTES 8192
-#define X16_PREFETCH_MIN 2048
-
-static inline int64_t x16_ahead(int threads) {
-    const int64_t ahead = X16_PREFETCH_BYTES / (threads > 1 ? threads : 1);
-    return ahead > X16_PREFETCH_MIN ? ahead : X16_PREFETCH_MIN;
-}
 
 /* One block's integer dot for a row of x: weights 0-15 (`lo`, 4 vectors of 4 each) and 16-31 (`hi`)
  * against x's 32 int8 at xq, in two chains (the first from `start`), added. */
@@ -267,8 +260,9 @@ static inline void group_dispatch(int kind, const uint8_t *group, X16In x, int r
  * outputs) on one Zen 5 core (vpdpbusd's peak there: 1077 GOP/s), GOP/s before -> after: Q4_K
  * 455-474 -> 644-678 (tiles of 4x2 565-595, 6x2 615-627, 8x2 587-609, 5x3 636-657, 3x4 514-530),
  * Q8_0 582-616 -> 646-751, Q4_0 606-629 -> 709-767, Q5_0 580-594 -> 679-705, Q4_1 601-615 ->
- * 652-684, Q5_1 534-553 -> 620-642 (4 and 6 rows a tile did as well for the blocks of 32). Below 32 rows the group_* kernels stay: Q4_K's scales' decode is
- * not paid back there (8 rows: 251-446 against 429-474 GOP/s). */
+ * 652-684, Q5_1 534-553 -> 620-642 (4 and 6 rows a tile did as well for the blocks of 32). Below
+ * 32 rows the group_* kernels stay: Q4_K's scales' decode is not paid back there (8 rows: 251-446
+ * against 429-474 GOP/s). */
 #define TILE_ROWS 5
 #define TILE_GROUPS 2
 #define TILE_MIN_ROWS 32
@@ -430,6 +424,7 @@ static void gemm_tiles(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
     const int is_q4_k = kind == KIND_Q4_K_X16;
     const int64_t groups = N / X16, tasks = (groups + NG - 1) / NG;
     const size_t scale_bytes = (size_t)NG * (x.K / QK) * 2 * X16 * sizeof(float);
+    const int64_t ahead = prefetch_ahead(X16_PREFETCH_BYTES, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t g0 = task * NG;
@@ -447,7 +442,7 @@ static void gemm_tiles(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
         }
         free(scales);
         for (int64_t g = g0; g < groups && g < g0 + NG; g++)
-            group_rows(kind, x, tiled, M, w, N, g, group_bytes, x16_ahead(threads), y, y_is_bf16);
+            group_rows(kind, x, tiled, M, w, N, g, group_bytes, ahead, y, y_is_bf16);
     }
 }
 
@@ -460,7 +455,7 @@ void pd_repack_a8_gemm(int kind, X16In x, int64_t M, const uint8_t *w, int64_t N
         gemm_tiles(kind, x, M, w, N, y, y_is_bf16, threads, group_bytes);
         return;
     }
-    const int64_t ahead = x16_ahead(threads);
+    const int64_t ahead = prefetch_ahead(X16_PREFETCH_BYTES, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t g = 0; g < N / X16; g++) group_rows(kind, x, 0, M, w, N, g, group_bytes, ahead, y, y_is_bf16);
 }
