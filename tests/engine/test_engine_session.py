@@ -17,7 +17,13 @@ from pdserve.client import Client
 from pdserve.cluster import LocalCluster
 from pdserve.engine.request import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tests.helpers.cluster import TINY_ENGINE_ARGS, is_idle, next_within, wait_idle
+from tests.helpers.cluster import (
+    LONG_ANSWER_ENGINE_ARGS,
+    LONG_ANSWER_MAX_MODEL_LEN,
+    is_idle,
+    next_within,
+    wait_idle,
+)
 from tests.helpers.text_corpus import prompts_of_lengths
 
 TIMEOUT_S = 60.0
@@ -25,7 +31,8 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    with LocalCluster(1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS) as c:
+    # Long answers (~3 s), so that a request meant to be still running is, on a loaded machine.
+    with LocalCluster(1, 1, model=tiny_model_dir, engine_args=LONG_ANSWER_ENGINE_ARGS) as c:
         yield c
 
 
@@ -112,11 +119,14 @@ def test_a_session_refuses_and_aborts_each_request_on_its_own(cluster, client, t
     good, long = prompts_of_lengths(tiny_llm.tokenizer, [30, 40])
     session = _Session(cluster.decode_addresses[0])
     try:
-        session.generate("session-b-long", long, 500)
+        session.generate("session-b-long", long, LONG_ANSWER_MAX_MODEL_LEN - len(long) - 1)
+        first = session.next()  # it runs: the duplicate below meets it running
+        assert [o.request_id for o in first.outputs] == ["session-b-long"] and not first.errors
         session.generate("session-b-empty", [], 4)  # no prompt
         session.generate("session-b-long", good, 4)  # an id already running there
         session.generate("session-b-good", good, 4)
         tokens, errors, _ = _collect(session, {"session-b-empty", "session-b-good"})
+        tokens["session-b-long"][:0] = [t for o in first.outputs for t in o.token_ids]
         assert errors["session-b-empty"][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert "prompt" in errors["session-b-empty"][1]
         assert len(tokens["session-b-good"]) == 4
