@@ -506,7 +506,9 @@ class _ShuttingDownDecodeEngine(engine_pb2_grpc.EngineServicer):
         self.generate_calls = 0
 
     def Info(self, request, context):
-        return engine_pb2_grpc.EngineStub(self.real).Info(request, timeout=10)
+        info = engine_pb2_grpc.EngineStub(self.real).Info(request, timeout=10)
+        info.session_port = 0  # not the real engine's framed Session stream: this one's RPC
+        return info
 
     def Stats(self, request, context):
         return engine_pb2_grpc.EngineStub(self.real).Stats(request, timeout=10)

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -41,6 +42,7 @@ from pdserve.engine.front_session import FrontSession
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import SamplingParams, validate_prompt
+from pdserve.engine.session_stream import start_session_server
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.wire import engine_stats_to_proto, kv_params_from_proto, kv_params_to_proto, sampling_from_proto
 
@@ -66,6 +68,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.max_model_len = core.info.max_model_len
         self.draining = False  # SIGTERM: refuse new requests, finish the running ones
         self.sessions: set[FrontSession] = set()  # open Session streams (a drain ends them)
+        self.session_port = 0  # of the framed Session stream (``session_stream``); 0: none
 
     def start_draining(self) -> None:
         """Refuse new requests from now on; a session with nothing left running ends, so that
@@ -135,6 +138,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """Requests and aborts in; each step's outputs of all of them out as one message
         (``front_session``). Each request behaves as a ``Generate`` call: the same checks and
         status codes (as a ``RequestError``), and the same abort when the stream ends first."""
+        async with contextlib.aclosing(self.serve_session(request_iterator)) as responses:
+            async for response in responses:
+                yield response
+
+    async def serve_session(
+        self, request_iterator: AsyncIterator[engine_pb2.SessionRequest]
+    ) -> AsyncGenerator[engine_pb2.SessionResponse, None]:
+        """One Session stream, whatever carries it (gRPC, or ``session_stream``'s frames):
+        closing this generator early is the router going away, which aborts what is left."""
         session = FrontSession()
         self.sessions.add(session)
         reader = asyncio.create_task(self._read_session(request_iterator, session))
@@ -265,6 +277,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             instance_id=info.instance_id,
             kv_events_port=info.kv_events_port,
             kv_events_replay_port=info.kv_events_replay_port,
+            session_port=self.session_port,
         )
 
 
@@ -360,7 +373,10 @@ async def serve_engine(
     port: int,
     metrics_port: int | None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    session_port: int = 0,
 ) -> None:
+    """Serve until SIGTERM / SIGINT, then drain. ``session_port``: where routers may open
+    their Session stream without gRPC (0: a free port, announced in ``Info``; -1: none)."""
     core = AsyncEngineCoreClient(config)
     try:
         await core.start()
@@ -398,6 +414,11 @@ async def serve_engine(
     )
     server.add_insecure_port(address)
     await server.start()
+    session_server = None
+    if session_port >= 0:
+        session_server = await start_session_server(servicer, host, session_port)
+        servicer.session_port = session_server.sockets[0].getsockname()[1]
+        logger.info("%s engine: Session stream on port %d", role, servicer.session_port)
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     logger.info("%s engine serving on %s (metrics on %s)", role, address, metrics_port)
@@ -410,6 +431,8 @@ async def serve_engine(
     watcher = asyncio.create_task(_watch_core(core, health_servicer, metrics))
     await stop.wait()
     stop.clear()  # a second SIGTERM / Ctrl-C cuts the drain short
+    if session_server is not None:
+        session_server.close()  # no new sessions; the open ones end with the drain
     await drain(core, servicer, health_servicer, drain_timeout_s, stop)
     await server.stop(SHUTDOWN_GRACE_S)
     watcher.cancel()
@@ -426,6 +449,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, required=True, help="gRPC port")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument(
+        "--session-port",
+        type=int,
+        default=0,
+        help="port of the router's Session stream without gRPC (the same messages, framed on TCP: "
+        "less CPU a token on both ends); 0 (the default): a free port, announced to routers by the "
+        "Info RPC; -1: none, routers use the Session RPC",
+    )
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2-135M)"
     )
@@ -582,7 +613,11 @@ def run_engine_server(args: argparse.Namespace, role: str, kv_role: str | None) 
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve_engine(config, role, args.host, args.port, args.metrics_port, args.drain_timeout))
+        asyncio.run(
+            serve_engine(
+                config, role, args.host, args.port, args.metrics_port, args.drain_timeout, args.session_port
+            )
+        )
     except EngineCoreError as exc:
         logger.error("%s engine failed to start: %s", role, exc)
         return 1

@@ -64,7 +64,9 @@ class EngineHandle:
     on_down: Callable[[EngineHandle], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.session = EngineSession(self.stub, self.address)
+        self.session = EngineSession(
+            self.stub, self.address, lambda: self.info.session_port if self.info is not None else 0
+        )
 
     def remember_blocks(self, block_hashes: list) -> None:
         for block_hash in block_hashes:

@@ -83,7 +83,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "vocab_size", "eos_token_id", "max_model_len", "block_size", "num_blocks", "engine_id", "kv_transport", "dtype", "torch_threads", "cpus", "quantization", "weights", "weight_bytes", "instance_id", "kv_events_port", "kv_events_replay_port")
+    __slots__ = ("role", "model", "vocab_size", "eos_token_id", "max_model_len", "block_size", "num_blocks", "engine_id", "kv_transport", "dtype", "torch_threads", "cpus", "quantization", "weights", "weight_bytes", "instance_id", "kv_events_port", "kv_events_replay_port", "session_port")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class EngineInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_PORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     vocab_size: int
@@ -120,4 +121,5 @@ class EngineInfo(_message.Message):
     instance_id: str
     kv_events_port: int
     kv_events_replay_port: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., engine_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., dtype: _Optional[str] = ..., torch_threads: _Optional[int] = ..., cpus: _Optional[str] = ..., quantization: _Optional[str] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ...) -> None: ...
+    session_port: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., engine_id: _Optional[str] = ..., kv_transport: _Optional[str] = ..., dtype: _Optional[str] = ..., torch_threads: _Optional[int] = ..., cpus: _Optional[str] = ..., quantization: _Optional[str] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_events_port: _Optional[int] = ..., kv_events_replay_port: _Optional[int] = ..., session_port: _Optional[int] = ...) -> None: ...

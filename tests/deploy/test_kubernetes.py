@@ -131,13 +131,16 @@ def test_only_the_router_reaches_engine_grpc_and_only_engines_their_kv_ports(doc
     engine_labels = _pod_labels(docs, "pdserve-decode")
     assert policy["podSelector"]["matchLabels"].items() <= engine_labels.items()
     rules = policy["ingress"]
-    grpc_rules = [r for r in rules if any(p.get("port") == 50051 for p in r["ports"])]
-    assert len(grpc_rules) == 1
-    assert grpc_rules[0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
-    for rule in rules:
-        for port in rule["ports"]:
-            if port["port"] != 50051 and "endPort" in port:  # engine-to-engine ranges skip 50051
-                assert not port["port"] <= 50051 <= port["endPort"], port
+    # The gRPC port and the framed Session stream's (--session-port): the router's alone.
+    for router_port in (50051, 50052):
+        rules_of_port = [r for r in rules if any(p.get("port") == router_port for p in r["ports"])]
+        assert len(rules_of_port) == 1, router_port
+        selector = rules_of_port[0]["from"][0]["podSelector"]["matchLabels"]
+        assert selector["app.kubernetes.io/component"] == "router"
+        for rule in rules:
+            for port in rule["ports"]:
+                if "endPort" in port:  # engine-to-engine ranges skip the router's ports
+                    assert not port["port"] <= router_port <= port["endPort"], port
     kv_rule = [r for r in rules if any(p.get("port", 0) <= 5600 <= p.get("endPort", 0) for p in r["ports"])]
     assert kv_rule and kv_rule[0]["from"][0]["podSelector"]["matchLabels"].items() <= engine_labels.items()
 
@@ -159,6 +162,8 @@ def test_container_command_lines_parse_with_pdserves_own_cli(docs, name):
     argv = k8s_manifests.substitute(argv, {"POD_IP": "10.0.0.7", "POD_NAME": "pod-0"})
     args = build_parser().parse_args(argv)
     assert args.port == 50051
+    if name != "pdserve-router":
+        assert args.session_port == 50052  # the port the NetworkPolicy opens to the router
     if name == "pdserve-router":
         assert args.discovery_interval == 5.0
     else:

@@ -1,14 +1,19 @@
-"""The engine's Session RPC, as the router uses it: many requests over one stream, each step's
-outputs in one message, refusals and aborts per request, and a closed stream freeing its
-requests' blocks. Real processes (``LocalCluster`` on the tiny model), driven by a raw gRPC
-client so that what goes over the wire is what is checked.
+"""The engine's Session stream, as the router uses it: many requests over one stream, each
+step's outputs in one message, refusals and aborts per request, and a closed stream freeing its
+requests' blocks. Both carriers: the Session RPC, and the same messages framed on plain TCP
+(``pdserve.engine.session_stream``, the port ``Info`` announces), where a bad frame ends the
+connection and aborts its requests. Real processes (``LocalCluster`` on the tiny model), driven
+by raw clients so that what goes over the wire is what is checked; and the router's fallback to
+the RPC where the framed port does not answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import socket
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -71,7 +76,65 @@ class _Session:
         self.channel.close()
 
 
-def _collect(session: _Session, request_ids: set[str]) -> tuple[dict[str, list[int]], dict[str, tuple], list]:
+class _FramedSession:
+    """The same, on the engine's framed Session stream: a socket, 4-byte lengths, protobuf."""
+
+    def __init__(self, address: str) -> None:
+        with grpc.insecure_channel(address) as channel:
+            info = engine_pb2_grpc.EngineStub(channel).Info(engine_pb2.InfoRequest(), timeout=TIMEOUT_S)
+        assert info.session_port > 0, "the engine announces its framed Session stream"
+        self.sock = socket.create_connection(
+            (address.rsplit(":", 1)[0], info.session_port), timeout=TIMEOUT_S
+        )
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _send(self, message: engine_pb2.SessionRequest) -> None:
+        payload = message.SerializeToString()
+        self.send_bytes(len(payload).to_bytes(4, "big") + payload)
+
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = engine_pb2.EngineGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+        )
+        self._send(engine_pb2.SessionRequest(generate=request))
+
+    def abort(self, request_id: str) -> None:
+        self._send(engine_pb2.SessionRequest(abort_request_id=request_id))
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError("the engine closed the stream")
+            data += chunk
+        return data
+
+    def next(self) -> engine_pb2.SessionResponse:
+        return engine_pb2.SessionResponse.FromString(self._read(int.from_bytes(self._read(4), "big")))
+
+    def closed_by_engine(self) -> bool:
+        """Read until the engine closes the connection (True) or nothing comes for a while."""
+        try:
+            while self.sock.recv(65536):
+                pass
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+SESSIONS = {"rpc": _Session, "framed": _FramedSession}
+
+
+def _collect(
+    session: _Session | _FramedSession, request_ids: set[str]
+) -> tuple[dict[str, list[int]], dict[str, tuple], list]:
     """Read until every request in ``request_ids`` finished or failed: {id: tokens}, {id: (code,
     message)} (of every request seen meanwhile) and the messages read."""
     tokens: dict[str, list[int]] = defaultdict(list)
@@ -90,10 +153,13 @@ def _collect(session: _Session, request_ids: set[str]) -> tuple[dict[str, list[i
     return tokens, errors, messages
 
 
-def test_one_session_carries_many_requests_one_message_a_step_with_generate_tokens(cluster, client, tiny_llm):
+@pytest.mark.parametrize("carrier", sorted(SESSIONS))
+def test_one_session_carries_many_requests_one_message_a_step_with_generate_tokens(
+    cluster, client, tiny_llm, carrier
+):
     prompts = prompts_of_lengths(tiny_llm.tokenizer, [20, 37, 52, 64])
     expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    session = _Session(cluster.decode_addresses[0])
+    session = SESSIONS[carrier](cluster.decode_addresses[0])
     try:
         ids = {f"session-a-{i}" for i in range(len(prompts))}
         for i, prompt in enumerate(prompts):
@@ -115,9 +181,10 @@ def test_one_session_carries_many_requests_one_message_a_step_with_generate_toke
     assert all(is_idle(s) for s in wait_idle(client))
 
 
-def test_a_session_refuses_and_aborts_each_request_on_its_own(cluster, client, tiny_llm):
+@pytest.mark.parametrize("carrier", sorted(SESSIONS))
+def test_a_session_refuses_and_aborts_each_request_on_its_own(cluster, client, tiny_llm, carrier):
     good, long = prompts_of_lengths(tiny_llm.tokenizer, [30, 40])
-    session = _Session(cluster.decode_addresses[0])
+    session = SESSIONS[carrier](cluster.decode_addresses[0])
     try:
         session.generate("session-b-long", long, LONG_ANSWER_MAX_MODEL_LEN - len(long) - 1)
         first = session.next()  # it runs: the duplicate below meets it running
@@ -205,12 +272,13 @@ def test_a_client_reusing_the_id_of_a_request_it_cancelled_gets_its_own_answer(c
     assert all(is_idle(s) for s in wait_idle(client)), "a cancelled request still runs or holds blocks"
 
 
-def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(cluster, client, tiny_llm):
+@pytest.mark.parametrize("carrier", sorted(SESSIONS))
+def test_closing_a_session_aborts_its_requests_and_frees_their_blocks(cluster, client, tiny_llm, carrier):
     prompts = prompts_of_lengths(tiny_llm.tokenizer, [45, 55, 65])
-    session = _Session(cluster.decode_addresses[0])
+    session = SESSIONS[carrier](cluster.decode_addresses[0])
     try:
         for i, prompt in enumerate(prompts):
-            session.generate(f"session-c-{i}", prompt, 800)
+            session.generate(f"session-c-{i}-{carrier}", prompt, 800)
         first = session.next()
         assert first.outputs and not first.errors
     finally:
@@ -256,3 +324,72 @@ def test_outputs_after_a_requests_last_one_in_the_same_batch_are_dropped_not_fat
     ]
     assert [(e.request_id, e.code) for e in response.errors] == [("b", grpc.StatusCode.UNAVAILABLE.value[0])]
     assert sorted(closed) == ["a", "b"] and not session.requests
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param((1 << 31).to_bytes(4, "big"), id="a-2-GB-length"),
+        pytest.param(b"\x00\x00\x00\x03\xff\xff\xff", id="not-a-SessionRequest"),
+    ],
+)
+def test_a_bad_frame_ends_that_stream_and_aborts_its_requests_only(cluster, client, tiny_llm, bad):
+    prompt, other = prompts_of_lengths(tiny_llm.tokenizer, [41, 43])
+    (expected,) = tiny_llm.generate([other], SamplingParams(max_tokens=5, ignore_eos=True))
+    session = _FramedSession(cluster.decode_addresses[0])
+    try:
+        session.generate("framed-bad-long", prompt, 900)
+        first = session.next()
+        assert {o.request_id for o in first.outputs} == {"framed-bad-long"} and not first.errors
+        session.send_bytes(bad)
+        assert session.closed_by_engine(), "the engine kept a stream that sent a bad frame"
+    finally:
+        session.close()
+    assert all(is_idle(s) for s in wait_idle(client)), (
+        "the broken stream's request still runs or holds blocks"
+    )
+    # The engine serves the next stream as before.
+    session = _FramedSession(cluster.decode_addresses[0])
+    try:
+        session.generate("framed-bad-next", other, 5)
+        tokens, errors, _ = _collect(session, {"framed-bad-next"})
+    finally:
+        session.close()
+    assert not errors and tokens["framed-bad-next"] == expected.token_ids
+
+
+def test_the_router_falls_back_to_the_rpc_where_the_framed_port_does_not_answer():
+    """An engine whose announced session port cannot be reached (a firewall, a stale Info): the
+    router's session goes over the Session RPC instead, with the same requests in order."""
+    from pdserve.router.engine_session import FramedSessionCall
+    from pdserve.supervisor import pick_free_ports
+
+    (closed_port,) = pick_free_ports("127.0.0.1", 1)  # free: nothing listens there
+    sent: list[engine_pb2.SessionRequest] = []
+
+    class Rpc:
+        def __init__(self, requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
+            self.requests = requests
+
+        def __aiter__(self) -> AsyncIterator[engine_pb2.SessionResponse]:
+            return self._responses()
+
+        async def _responses(self) -> AsyncIterator[engine_pb2.SessionResponse]:
+            async for request in self.requests:
+                sent.append(request)
+                yield engine_pb2.SessionResponse(aborted=[request.abort_request_id])
+
+        def cancel(self) -> None:
+            pass
+
+    async def requests() -> AsyncIterator[engine_pb2.SessionRequest]:
+        for request_id in ("a", "b"):
+            yield engine_pb2.SessionRequest(abort_request_id=request_id)
+
+    async def run() -> list[engine_pb2.SessionResponse]:
+        call = FramedSessionCall(f"127.0.0.1:{closed_port}", closed_port, requests(), Rpc)
+        return [response async for response in call]
+
+    responses = asyncio.run(run())
+    assert [list(r.aborted) for r in responses] == [["a"], ["b"]]
+    assert [r.abort_request_id for r in sent] == ["a", "b"]

@@ -1,0 +1,73 @@
+"""The engine's Session stream without gRPC: the same messages, framed on plain TCP
+(``pdserve.session_frames``), served by the same ``EngineServicer.serve_session``.
+
+A router that finds ``session_port`` in the engine's ``Info`` opens its session here; one that
+does not (or cannot connect) keeps using the ``Session`` RPC. Everything a request sees is the
+RPC's: the checks, the refusals and their status codes, one message a step, the aborts. A
+router that goes away (the connection closes, or breaks) has its requests aborted and their
+blocks freed, as a cancelled RPC has. The router is this stream's only client: it sends nothing
+before its requests (no handshake), and the engine's gRPC port is as open as this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from pdserve.session_frames import FrameError, frame, read_frame
+from pdserve.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    from pdserve.engine.server import EngineServicer
+
+logger = logging.getLogger(__name__)
+
+
+async def start_session_server(servicer: EngineServicer, host: str, port: int) -> asyncio.Server:
+    """Listen on ``host:port`` (0: a free port, ``server.sockets[0]``) for routers' sessions."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _serve_connection(servicer, reader, writer)
+
+    return await asyncio.start_server(serve, host, port, reuse_address=True)
+
+
+async def _serve_connection(
+    servicer: EngineServicer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    peer = writer.get_extra_info("peername")
+    closed = asyncio.Event()  # the router closed (or broke) the connection
+
+    async def requests() -> AsyncIterator[engine_pb2.SessionRequest]:
+        try:
+            while (payload := await read_frame(reader)) is not None:
+                yield engine_pb2.SessionRequest.FromString(payload)
+        except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
+            logger.warning("session stream from %s broke: %s", peer, exc)
+        except Exception as exc:  # a frame that is not a SessionRequest (DecodeError)
+            logger.warning("session stream from %s sent a bad message: %s", peer, exc)
+        closed.set()
+
+    async def write_responses() -> None:
+        async with contextlib.aclosing(servicer.serve_session(requests())) as responses:
+            async for response in responses:
+                writer.write(frame(response.SerializeToString()))
+                await writer.drain()
+
+    writing = asyncio.create_task(write_responses())
+    watching = asyncio.create_task(closed.wait())
+    try:
+        # The router only closes its end when it leaves: whatever still runs is aborted (the
+        # generator's clean-up), as when a gRPC stream is cancelled.
+        await asyncio.wait({writing, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (writing, watching):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OSError):
+            await writing
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
