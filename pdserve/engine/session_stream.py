@@ -66,8 +66,12 @@ async def _serve_connection(
     finally:
         for task in (writing, watching):
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, OSError):
+        try:
             await writing
+        except (asyncio.CancelledError, OSError):
+            pass  # the router went away, or we stopped writing to it
+        except Exception:
+            logger.exception("session stream from %s failed", peer)
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
