@@ -14,19 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Protocol
 
 from pdserve.session_frames import FrameError, frame, read_frame
 from pdserve.v1 import engine_pb2
 
-if TYPE_CHECKING:
-    from pdserve.engine.server import EngineServicer
-
 logger = logging.getLogger(__name__)
 
 
-async def start_session_server(servicer: EngineServicer, host: str, port: int) -> asyncio.Server:
+class SessionServicer(Protocol):
+    """What serves a session's messages (``EngineServicer``), whatever carries them."""
+
+    def serve_session(
+        self, request_iterator: AsyncIterator[engine_pb2.SessionRequest]
+    ) -> AsyncGenerator[engine_pb2.SessionResponse, None]: ...
+
+
+async def start_session_server(servicer: SessionServicer, host: str, port: int) -> asyncio.Server:
     """Listen on ``host:port`` (0: a free port, ``server.sockets[0]``) for routers' sessions."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -36,7 +41,7 @@ async def start_session_server(servicer: EngineServicer, host: str, port: int) -
 
 
 async def _serve_connection(
-    servicer: EngineServicer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    servicer: SessionServicer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     peer = writer.get_extra_info("peername")
     closed = asyncio.Event()  # the router closed (or broke) the connection
