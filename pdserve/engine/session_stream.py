@@ -17,6 +17,8 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
+from google.protobuf.message import DecodeError
+
 from pdserve.session_frames import FrameError, frame, read_frame
 from pdserve.v1 import engine_pb2
 
@@ -52,7 +54,7 @@ async def _serve_connection(
                 yield engine_pb2.SessionRequest.FromString(payload)
         except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
             logger.warning("session stream from %s broke: %s", peer, exc)
-        except Exception as exc:  # a frame that is not a SessionRequest (DecodeError)
+        except DecodeError as exc:  # a frame that is not a SessionRequest
             logger.warning("session stream from %s sent a bad message: %s", peer, exc)
         closed.set()
 

@@ -50,6 +50,12 @@ class EngineSource:
         return grpc_address(self.host, self.port)
 
 
+def address_host(address: str) -> str:
+    """The host of a gRPC ``host:port`` target, without the brackets of an IPv6 literal (the
+    inverse of ``grpc_address``)."""
+    return address.rpartition(":")[0].strip("[]")
+
+
 def grpc_address(host: str, port: int) -> str:
     """``host:port`` as a gRPC target (IPv6 literals in brackets)."""
     try:

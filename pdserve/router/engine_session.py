@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.router.discovery import address_host
 from pdserve.session_frames import FrameError, frame, read_frame
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -108,7 +109,7 @@ class FramedSessionCall:
         requests: AsyncIterator[engine_pb2.SessionRequest],
         rpc: Callable[[AsyncIterator[engine_pb2.SessionRequest]], Any],
     ) -> None:
-        self.host = address.rsplit(":", 1)[0].strip("[]")
+        self.host = address_host(address)
         self.address = address
         self.port = port
         self._requests = requests
@@ -140,7 +141,7 @@ class FramedSessionCall:
                 "engine %s: no Session stream on port %d (%s): using the Session RPC",
                 self.address,
                 self.port,
-                exc or type(exc).__name__,
+                str(exc) or type(exc).__name__,
             )
             self._rpc_call = self._rpc(self._requests)
             if self._cancelled:

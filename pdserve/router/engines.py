@@ -67,7 +67,7 @@ class EngineHandle:
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
     # Called when the engine goes down (the pool drops its KV index entries).
     on_down: Callable[[EngineHandle], None] | None = field(default=None, repr=False)
-    # Set when it is marked down: its health is then asked again (``EnginePool._follow``).
+    # Set when a call marks it down: its health is then asked again (``EnginePool._follow``).
     recheck: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,11 +90,14 @@ class EngineHandle:
             count += 1
         return count
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, recheck: bool = True) -> None:
+        """Out of the rotation; ``recheck``: its health is asked again (not when the health
+        stream itself said so: it reports the next change)."""
         if self.healthy:
             logger.warning("%s engine %s is down: %s", self.role, self.address, reason)
         self.healthy = False
-        self.recheck.set()
+        if recheck:
+            self.recheck.set()
         if self.on_down is not None:
             self.on_down(self)
 
@@ -242,10 +245,7 @@ class EnginePool:
                         await self._apply(engine, False, "its health stream ended")
                         break
                     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    await self._apply(engine, serving, "not SERVING")
-                    if rechecking.done():  # marked down by this answer (NOT_SERVING): keep watching
-                        engine.recheck.clear()
-                        rechecking = asyncio.ensure_future(engine.recheck.wait())
+                    await self._apply(engine, serving, "not SERVING", watched=True)
             except grpc.aio.AioRpcError as exc:
                 await self._apply(engine, False, exc.code().name)
             except Exception:
@@ -255,8 +255,10 @@ class EnginePool:
                 call.cancel()
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    async def _apply(self, engine: EngineHandle, serving: bool, reason: str) -> None:
-        """What a health answer means for the rotation (and, when SERVING, the engine's Info)."""
+    async def _apply(self, engine: EngineHandle, serving: bool, reason: str, watched: bool = False) -> None:
+        """What a health answer means for the rotation (and, when SERVING, the engine's Info).
+        ``watched``: the answer came on the engine's Watch stream, which reports the next change
+        itself; an answer that took it out otherwise (a Check, a failed Info) asks again."""
         # An engine publishing KV events is asked every time: restarted between two checks, it
         # has a new instance id (and event ports), and its old index entries must go.
         publishes = self.kv_events is not None and engine.info is not None and engine.info.kv_events_port > 0
@@ -264,7 +266,7 @@ class EnginePool:
             try:
                 engine.info = await engine.stub.Info(engine_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                serving, reason = False, f"Info failed: {exc.code().name}"
+                serving, reason, watched = False, f"Info failed: {exc.code().name}", False
             else:
                 if not engine.retired:
                     self._engine_up(engine)  # a new instance id: its old entries go
@@ -272,7 +274,7 @@ class EnginePool:
             logger.info("%s engine %s is healthy", engine.role, engine.address)
             engine.recent_blocks.clear()  # it may have restarted with an empty prefix cache
         if not serving:
-            engine.mark_down(reason)
+            engine.mark_down(reason, recheck=not watched)
         engine.healthy = serving
 
     def _start_following(self, engine: EngineHandle) -> None:

@@ -39,6 +39,7 @@ from pdserve.engine.kv_events import (
     decode_batch,
     seq_bytes,
 )
+from pdserve.router.discovery import address_host
 from pdserve.router.kv_index import KVBlockIndex, PendingBlocks
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ RATE_WINDOW_S = 10.0
 
 def zmq_host(grpc_address: str) -> str:
     """The host part of ``host:port`` / ``[v6]:port``, as a ZMQ tcp address wants it."""
-    host = grpc_address.rpartition(":")[0]
-    return host if host.startswith("[") or ":" not in host else f"[{host}]"
+    host = address_host(grpc_address)
+    return f"[{host}]" if ":" in host else host
 
 
 class EngineEventStream:
