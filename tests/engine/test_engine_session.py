@@ -47,7 +47,24 @@ def client(cluster):
         yield c
 
 
-class _Session:
+class _Carrier:
+    """What both test clients send: requests and aborts, as ``SessionRequest`` messages."""
+
+    def _send(self, message: engine_pb2.SessionRequest) -> None:
+        raise NotImplementedError
+
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = engine_pb2.EngineGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+        )
+        self._send(engine_pb2.SessionRequest(generate=request))
+
+    def abort(self, request_id: str) -> None:
+        self._send(engine_pb2.SessionRequest(abort_request_id=request_id))
+
+
+class _Session(_Carrier):
     """A Session call on one engine: ``send`` requests or aborts, iterate its messages."""
 
     def __init__(self, address: str) -> None:
@@ -58,15 +75,8 @@ class _Session:
         )
         self.messages: Iterator[engine_pb2.SessionResponse] = iter(self.call)
 
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = engine_pb2.EngineGenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
-        )
-        self.outbox.put(engine_pb2.SessionRequest(generate=request))
-
-    def abort(self, request_id: str) -> None:
-        self.outbox.put(engine_pb2.SessionRequest(abort_request_id=request_id))
+    def _send(self, message: engine_pb2.SessionRequest) -> None:
+        self.outbox.put(message)
 
     def next(self) -> engine_pb2.SessionResponse:
         return next_within(self.messages, TIMEOUT_S)
@@ -76,7 +86,7 @@ class _Session:
         self.channel.close()
 
 
-class _FramedSession:
+class _FramedSession(_Carrier):
     """The same, on the engine's framed Session stream: a socket, 4-byte lengths, protobuf."""
 
     def __init__(self, address: str) -> None:
@@ -93,16 +103,6 @@ class _FramedSession:
     def _send(self, message: engine_pb2.SessionRequest) -> None:
         payload = message.SerializeToString()
         self.send_bytes(len(payload).to_bytes(4, "big") + payload)
-
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = engine_pb2.EngineGenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
-        )
-        self._send(engine_pb2.SessionRequest(generate=request))
-
-    def abort(self, request_id: str) -> None:
-        self._send(engine_pb2.SessionRequest(abort_request_id=request_id))
 
     def _read(self, n: int) -> bytes:
         data = b""
