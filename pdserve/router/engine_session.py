@@ -74,7 +74,11 @@ class SessionStream:
         self._timer.cancel()
 
     def cancel(self) -> None:
-        """Stop now: the iterator raises CancelledError and the engine aborts the request."""
+        """Stop now: the iterator raises CancelledError at its next step, before any message
+        still queued (an aborted request's tokens, even its last one, are not relayed), and the
+        engine aborts the request."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
         self.queue.put_nowait(_CANCELLED)
         self.close()
 
