@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -136,7 +136,10 @@ _FROM_CORE = {cls.TYPE: cls for cls in typing.get_args(CoreMessage)}
 
 
 def encode(message: FrontMessage | CoreMessage) -> bytes:
-    return msgpack.packb({"type": message.TYPE, **_to_plain(message)}, use_bin_type=True)
+    cls: type = type(message)
+    plain = _plainer(cls)(message)
+    plain["type"] = message.TYPE
+    return msgpack.packb(plain, use_bin_type=True)
 
 
 def decode_from_front(data: bytes) -> FrontMessage:
@@ -147,16 +150,6 @@ def decode_from_front(data: bytes) -> FrontMessage:
 def decode_from_core(data: bytes) -> CoreMessage:
     """What the front reads; ValueError if ``data`` is not exactly one of the core's messages."""
     return _decode(data, _FROM_CORE)
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list | tuple):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    return value
 
 
 def _decode(data: bytes, accepted: dict[str, type]) -> Any:
@@ -170,25 +163,31 @@ def _decode(data: bytes, accepted: dict[str, type]) -> Any:
     cls = accepted.get(kind)
     if cls is None:
         raise ValueError(f"malformed message: unexpected type {kind!r}")
-    return _build(cls, plain, kind)
-
-
-def _build(cls: type, plain: Any, where: str) -> Any:
-    """``cls(**plain)`` once every field is present, known and of its declared type."""
-    if not isinstance(plain, dict):
-        raise ValueError(f"{where}: expected a map, got {type(plain).__name__}")
-    hints = _field_types(cls)
-    unknown = sorted(set(plain) - set(hints), key=str)
-    if unknown:
-        raise ValueError(f"{where}: unknown fields {unknown}")
-    missing = [name for name in hints if name not in plain]
-    if missing:
-        raise ValueError(f"{where}: missing fields {missing}")
-    values = {name: _convert(plain[name], hint, f"{where}.{name}") for name, hint in hints.items()}
     try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+        return _builder(cls)(plain)
+    except _WireError as exc:
+        raise ValueError(f"{kind}{exc.path}: {exc.problem}") from None
+
+
+# ---------------------------------------------------------------------- compiled per type
+#
+# The front decodes every step's outputs (and the core encodes them): each dataclass's checks
+# and conversions are worked out once, into one function per type, rather than from its type
+# hints on every message. Where a value is wrong is only spelled out when it is.
+
+
+class _WireError(ValueError):
+    """A value not of its field's type; ``path`` grows as the error leaves nested values."""
+
+    def __init__(self, problem: str, path: str = "") -> None:
+        super().__init__(problem)
+        self.problem, self.path = problem, path
+
+    def under(self, step: str) -> _WireError:
+        return _WireError(self.problem, step + self.path)
+
+
+Converter = Callable[[Any], Any]
 
 
 @functools.cache
@@ -199,59 +198,177 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 @functools.cache
-def _shape(hint: Any) -> tuple[Any, tuple[Any, ...], bool]:
-    """A field type's origin, arguments and whether it is a dataclass: worked out once per type
-    (the front decodes every step's outputs)."""
-    is_dataclass = isinstance(hint, type) and dataclasses.is_dataclass(hint)
-    return typing.get_origin(hint), typing.get_args(hint), is_dataclass
+def _builder(cls: type) -> Converter:
+    """A function making ``cls(**plain)`` once every field is present, known and of its
+    declared type (nested dataclasses built, sequences as lists or tuples)."""
+    fields = tuple((name, _converter(hint)) for name, hint in _field_types(cls).items())
+    names = frozenset(name for name, _ in fields)
 
-
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    """``value`` as ``hint`` asks (nested dataclasses built, sequences as lists or tuples)."""
-    origin, args, is_dataclass = _shape(hint)
-    if hint is Any:
-        return value
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
+    def build(plain: Any) -> Any:
+        if type(plain) is not dict:
+            raise _WireError(f"expected a map, got {type(plain).__name__}")
+        if plain.keys() != names:
+            unknown = sorted(set(plain) - names, key=str)
+            if unknown:
+                raise _WireError(f"unknown fields {unknown}")
+            raise _WireError(f"missing fields {[name for name, _ in fields if name not in plain]}")
+        values = {}
+        for name, convert in fields:
             try:
-                return _convert(value, arg, where)
-            except ValueError:
-                pass
-        raise ValueError(f"{where}: {value!r} is not {hint}")
-    if is_dataclass:
-        return _build(hint, value, where)
-    if origin in (list, tuple, Sequence):
-        _expect(isinstance(value, list | tuple), value, hint, where)
-        if not args or (args[0] in (int, str) and all(type(v) is args[0] for v in value)):
-            items = list(value)  # the common case (token ids), checked in one pass
-        else:
-            items = [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
-    if hint is dict or origin is dict:
-        _expect(isinstance(value, dict), value, hint, where)
-        if not args:
-            return value
-        return {
-            _convert(k, args[0], where): _convert(v, args[1], f"{where}[{k!r}]") for k, v in value.items()
-        }
-    if hint is bool:
-        _expect(isinstance(value, bool), value, hint, where)
-    elif hint is int:
-        _expect(isinstance(value, int) and not isinstance(value, bool), value, hint, where)
-    elif hint is float:
-        _expect(isinstance(value, int | float) and not isinstance(value, bool), value, hint, where)
-        return float(value)
-    elif hint is str:
-        _expect(isinstance(value, str), value, hint, where)
-    else:
-        raise TypeError(f"{where}: no wire form for {hint!r}")  # a message type this module can't carry
+                values[name] = convert(plain[name])
+            except _WireError as exc:
+                raise exc.under(f".{name}") from None
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise _WireError(str(exc)) from None
+
+    return build
+
+
+def _identity(value: Any) -> Any:
     return value
 
 
-def _expect(ok: bool, value: Any, hint: Any, where: str) -> None:
-    if not ok:
-        raise ValueError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+def _converter(hint: Any) -> Converter:
+    """A function checking (and, where needed, converting) one value of type ``hint``."""
+    if hint is Any:
+        return _identity
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return _union(hint, args)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _builder(hint)
+    if origin in (list, tuple, Sequence):
+        return _sequence(hint, origin, args[0] if args else Any)
+    if hint is dict or origin is dict:
+        return _mapping(hint, args)
+    return _scalar(hint)
+
+
+def _union(hint: Any, args: tuple[Any, ...]) -> Converter:
+    optional = type(None) in args
+    options = [_converter(arg) for arg in args if arg is not type(None)]
+
+    def convert(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        for option in options:
+            try:
+                return option(value)
+            except _WireError:
+                pass
+        raise _WireError(f"{value!r} is not {hint}")
+
+    return convert
+
+
+def _sequence(hint: Any, origin: Any, item_hint: Any) -> Converter:
+    item = _converter(item_hint)
+    plain_items = item_hint in (int, str)  # the common case (token ids), checked in one pass
+    as_list = origin is list
+
+    def convert(value: Any) -> Any:
+        if not isinstance(value, list | tuple):
+            raise _WireError(f"expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+        if item_hint is Any or (plain_items and all(type(v) is item_hint for v in value)):
+            items = list(value)
+        else:
+            items = []
+            for i, v in enumerate(value):
+                try:
+                    items.append(item(v))
+                except _WireError as exc:
+                    raise exc.under(f"[{i}]") from None
+        return items if as_list else tuple(items)
+
+    return convert
+
+
+def _mapping(hint: Any, args: tuple[Any, ...]) -> Converter:
+    key, item = (_converter(args[0]), _converter(args[1])) if args else (None, None)
+
+    def convert(value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise _WireError(f"expected dict, got {type(value).__name__}")
+        if key is None or item is None:
+            return value
+        converted = {}
+        for k, v in value.items():
+            try:
+                converted[key(k)] = item(v)
+            except _WireError as exc:
+                raise exc.under(f"[{k!r}]") from None
+        return converted
+
+    return convert
+
+
+def _scalar(hint: Any) -> Converter:
+    if hint is bool:
+
+        def convert(value: Any) -> Any:
+            if type(value) is not bool:
+                raise _WireError(f"expected bool, got {type(value).__name__}")
+            return value
+
+    elif hint is int:
+
+        def convert(value: Any) -> Any:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise _WireError(f"expected int, got {type(value).__name__}")
+            return value
+
+    elif hint is float:
+
+        def convert(value: Any) -> Any:
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise _WireError(f"expected float, got {type(value).__name__}")
+            return float(value)
+
+    elif hint is str:
+
+        def convert(value: Any) -> Any:
+            if not isinstance(value, str):
+                raise _WireError(f"expected str, got {type(value).__name__}")
+            return value
+
+    else:
+        raise TypeError(f"no wire form for {hint!r}")  # a message type this module can't carry
+    return convert
+
+
+@functools.cache
+def _plainer(cls: type) -> Converter:
+    """A function giving a dataclass's fields as a map of msgpack's plain values (nested
+    dataclasses as maps, tuples as lists)."""
+    fields = tuple(
+        (f.name, _to_plain_hinted(_field_types(cls).get(f.name, Any))) for f in dataclasses.fields(cls)
+    )
+
+    def plain(value: Any) -> dict[str, Any]:
+        return {name: convert(getattr(value, name)) for name, convert in fields}
+
+    return plain
+
+
+def _to_plain_hinted(hint: Any) -> Converter:
+    """How a field of type ``hint`` goes to msgpack: primitives (and lists of them) as they are."""
+    if hint in (int, float, str, bool) or hint == list[int] or hint == list[str]:
+        return _identity
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union) and all(
+        a in (int, float, str, bool, type(None)) for a in args
+    ):
+        return _identity
+    return _to_plain
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plainer(type(value))(value)
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
