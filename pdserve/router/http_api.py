@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import orjson
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
@@ -67,7 +68,6 @@ _STATUS_OF_CODE = {
 }
 
 Body = TypeVar("Body", bound=_SamplingRequest)
-_COMPACT = (",", ":")  # JSON separators of the SSE chunks, as OpenAI sends them
 
 
 def openai_error_of(exc: RouterError) -> OpenAIError:
@@ -403,7 +403,7 @@ class OpenAIServer:
 
     async def _stream(
         self, request: Request, body: _SamplingRequest, choices: list[Choice], chat: bool, response_id: str
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """Server-sent events as OpenAI sends them: chunks, an optional usage chunk, [DONE]."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -413,7 +413,7 @@ class OpenAIServer:
             body.stream_options and body.stream_options.continuous_usage_stats
         )
 
-        def event(choice_items: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        def event(choice_items: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
             chunk: dict[str, Any] = {
                 "id": response_id,
                 "object": kind,
@@ -423,7 +423,18 @@ class OpenAIServer:
             }
             if include_usage:
                 chunk["usage"] = usage
-            return f"data: {json.dumps(chunk, ensure_ascii=False, separators=_COMPACT)}\n\n"
+            return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+        def error_event(exc: RouterError) -> bytes:
+            return f"data: {json.dumps(openai_error_of(exc).body())}\n\n".encode()
+
+        def token_event(choice: Choice, item: router_pb2.GenerateResponse) -> bytes | None:
+            choice.add(item)
+            ids = list(item.token_ids) if body.return_token_ids else None
+            if not (item.text or item.finish_reason or continuous_usage or ids):
+                return None  # nothing to tell yet (a partial UTF-8 character is held back)
+            usage = _usage([choice]) if continuous_usage else None
+            return event([choice.item(chat, item.text, ids, bool(item.finish_reason), True)], usage)
 
         watcher = asyncio.create_task(self._watch_disconnect(request, choices))
         try:
@@ -439,21 +450,29 @@ class OpenAIServer:
                             }
                         ]
                     )
-            async with contextlib.aclosing(self._responses(choices)) as responses:
-                async for choice, item in responses:
-                    if isinstance(item, RouterError):
-                        yield f"data: {json.dumps(openai_error_of(item).body())}\n\n"
-                        continue
-                    choice.add(item)
-                    ids = list(item.token_ids) if body.return_token_ids else None
-                    if not (item.text or item.finish_reason or continuous_usage or ids):
-                        continue  # nothing to tell yet (a partial UTF-8 character is held back)
-                    last = bool(item.finish_reason)
-                    usage = _usage([choice]) if continuous_usage else None
-                    yield event([choice.item(chat, item.text, ids, last, True)], usage)
+            if len(choices) == 1:
+                # Iterated in place: a generator layer, a task and a queue hop per token less.
+                choice = choices[0]
+                try:
+                    async with contextlib.aclosing(
+                        self.servicer.run(choice.live, choice.prepared)
+                    ) as responses:
+                        async for response in responses:
+                            if (data := token_event(choice, response)) is not None:
+                                yield data
+                except RouterError as exc:
+                    yield error_event(exc)
+            else:
+                async with contextlib.aclosing(self._responses(choices)) as merged:
+                    async for choice, item in merged:
+                        data = (
+                            error_event(item) if isinstance(item, RouterError) else token_event(choice, item)
+                        )
+                        if data is not None:
+                            yield data
             if include_usage:
                 yield event([], _usage(choices))
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             watcher.cancel()
             for choice in choices:
@@ -463,16 +482,7 @@ class OpenAIServer:
         self, choices: list[Choice]
     ) -> AsyncGenerator[tuple[Choice, router_pb2.GenerateResponse | RouterError], None]:
         """Every choice's responses as they come (a failure as its RouterError, then no more of
-        that choice). One choice is iterated in place: a task and a queue hop per token less."""
-        if len(choices) == 1:
-            choice = choices[0]
-            try:
-                async with contextlib.aclosing(self.servicer.run(choice.live, choice.prepared)) as responses:
-                    async for response in responses:
-                        yield choice, response
-            except RouterError as exc:
-                yield choice, exc
-            return
+        that choice), for an answer of several choices."""
         queue: asyncio.Queue[tuple[Choice, router_pb2.GenerateResponse | RouterError | None]] = (
             asyncio.Queue()
         )

@@ -592,31 +592,38 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """
         stage_start = time.perf_counter()
         last_token_at: float | None = None
+        hits_recorded = False
+        itl = self.metrics.itl
         async with contextlib.aclosing(stage):
             async for engine, message in stage:
                 now = time.perf_counter()
                 tokens = list(message.token_ids)
-                for event, at in message.timeline.items():
-                    live.timeline.setdefault(f"{engine.role}.{event}", at)
+                if message.timeline:
+                    for event, at in message.timeline.items():
+                        live.timeline.setdefault(f"{engine.role}.{event}", at)
                 if tokens:
-                    if first_stage and "ttft_ms" not in timings:
-                        live.timeline["router.first_token"] = time.time()
-                        timings["ttft_ms"] = (now - live.arrival) * 1e3
-                        timings["prefill_ms"] = (now - stage_start) * 1e3
-                        self.metrics.ttft.observe(now - live.arrival)
-                    if prefill_done is not None and "transfer_ms" not in timings:
-                        live.timeline["router.decode_first_token"] = time.time()
-                        timings["transfer_ms"] = (now - prefill_done) * 1e3
-                        self.metrics.transfer.observe(now - prefill_done)
                     if last_token_at is not None:
-                        self.metrics.itl.observe(now - last_token_at)
+                        itl.observe(now - last_token_at)
+                    else:
+                        if first_stage and "ttft_ms" not in timings:
+                            live.timeline["router.first_token"] = time.time()
+                            timings["ttft_ms"] = (now - live.arrival) * 1e3
+                            timings["prefill_ms"] = (now - stage_start) * 1e3
+                            self.metrics.ttft.observe(now - live.arrival)
+                        if prefill_done is not None and "transfer_ms" not in timings:
+                            live.timeline["router.decode_first_token"] = time.time()
+                            timings["transfer_ms"] = (now - prefill_done) * 1e3
+                            self.metrics.transfer.observe(now - prefill_done)
                     last_token_at = now
-                timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
-                if f"{engine.role}_hit_blocks" not in timings and (tokens or message.finish_reason):
-                    self._record_hits(live, engine.role, message, timings, pulled=prefill_done is not None)
-                timings["num_cached_tokens"] = max(
-                    timings.get("num_cached_tokens", 0), message.num_cached_tokens
-                )
+                if not hits_recorded:
+                    timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
+                    if (tokens or message.finish_reason) and f"{engine.role}_hit_blocks" not in timings:
+                        hits_recorded = True
+                        self._record_hits(
+                            live, engine.role, message, timings, pulled=prefill_done is not None
+                        )
+                if message.num_cached_tokens > timings.get("num_cached_tokens", 0):
+                    timings["num_cached_tokens"] = message.num_cached_tokens
                 finish_reason = message.finish_reason
                 final = bool(finish_reason) and (last_stage or finish_reason != "length")
                 delta = text.push(tokens, final=final)
