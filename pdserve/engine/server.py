@@ -233,7 +233,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.metrics.observe_output(output)
             timeline = {**events, **(output.timeline or {})} if events else output.timeline
             session.requests[request_id] = {}
-            response.outputs.append(_response(output, timeline))
+            response.outputs.add(**_response_fields(output, timeline))
             if output.finished:
                 self.core.close_stream(request_id)
                 del session.requests[request_id]
@@ -293,15 +293,25 @@ class _Refused(Exception):
 def _response(
     output: EngineCoreOutput, timeline: dict[str, float] | None
 ) -> engine_pb2.EngineGenerateResponse:
-    return engine_pb2.EngineGenerateResponse(
-        request_id=output.request_id,
-        token_ids=output.new_token_ids,
-        finish_reason=output.finish_reason or "",
-        kv_transfer_params=kv_params_to_proto(output.kv_transfer_params),
-        num_cached_tokens=output.num_cached_tokens,
-        num_prefix_hit_tokens=output.num_prefix_hit_tokens,
-        timeline=timeline,
-    )
+    return engine_pb2.EngineGenerateResponse(**_response_fields(output, timeline))
+
+
+def _response_fields(output: EngineCoreOutput, timeline: dict[str, float] | None) -> dict[str, Any]:
+    """An ``EngineGenerateResponse``'s fields, the unset ones left out: a session's message
+    builds each output in place from them (``outputs.add``), half the time of a copy."""
+    fields: dict[str, Any] = {
+        "request_id": output.request_id,
+        "token_ids": output.new_token_ids,
+        "num_cached_tokens": output.num_cached_tokens,
+        "num_prefix_hit_tokens": output.num_prefix_hit_tokens,
+    }
+    if output.finish_reason:
+        fields["finish_reason"] = output.finish_reason
+    if output.kv_transfer_params:
+        fields["kv_transfer_params"] = kv_params_to_proto(output.kv_transfer_params)
+    if timeline:
+        fields["timeline"] = timeline
+    return fields
 
 
 def _error_status(reason: str) -> tuple[grpc.StatusCode, str]:
