@@ -386,12 +386,29 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         loop.add_reader(fd, drain)
         try:
             drain()
-            while self.proc.poll() is None:
-                await asyncio.sleep(0.5)
+            await self._core_exit()
             drain()  # what it sent before it exited
             self._on_core_death()
         finally:
             loop.remove_reader(fd)
+
+    async def _core_exit(self) -> None:
+        """Return when the core process has exited: told by its pidfd (no wake-up until then),
+        or, where the kernel has none, seen by polling twice a second."""
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            while self.proc.poll() is None:
+                await asyncio.sleep(0.5)
+            return
+        exited = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, exited.set)
+        try:
+            await exited.wait()
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
 
     def _on_core_death(self) -> None:
         """Fail every open stream and call: the core process exited under us."""

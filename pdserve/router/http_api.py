@@ -147,7 +147,7 @@ class OpenAIServer:
             gated = HttpKeyMiddleware(app, keys, () if protect_metrics else OPEN_HTTP_PATHS)
         # Outermost, so refusals (401) are counted too.
         self.app = _CountRequests(gated, self.metrics)
-        self._server: uvicorn.Server | None = None
+        self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ serving
@@ -173,7 +173,7 @@ class OpenAIServer:
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
-            self._server.should_exit = True
+            self._server.stop()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
@@ -587,8 +587,29 @@ class _CountRequests:
 
 
 class _EmbeddedServer(uvicorn.Server):
-    """uvicorn on a loop it does not own: the router handles SIGTERM/SIGINT and stops it."""
+    """uvicorn on a loop it does not own: the router handles SIGTERM/SIGINT and stops it.
+
+    It ticks once a second (the Date header's resolution), not uvicorn's ten times: each tick
+    wakes the router, which costs an idle router about 0.1 ms of CPU here; ``stop()`` wakes it
+    at once."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.stopping = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def main_loop(self) -> None:
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # on_tick refreshes the Date header at multiples of 10
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), 1.0)
+            should_exit = await self.on_tick(counter)
+
+    def stop(self) -> None:
+        self.should_exit = True
+        self.stopping.set()
