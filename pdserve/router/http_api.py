@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from pdserve.engine.model.tokenizer import NoChatTemplateError
 from pdserve.router.auth import OPEN_HTTP_PATHS, ApiKeys, HttpKeyMiddleware
@@ -343,9 +344,7 @@ class OpenAIServer:
         )
         if body.stream:
             stream = self._stream(request, body, choices, chat, response_id)
-            return StreamingResponse(
-                stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            return _EventStream(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             await self._until_disconnect(request, choices, self._collect(choices))
         finally:
@@ -584,6 +583,17 @@ class _CountRequests:
             await self.app(scope, receive, send_counting)
         finally:
             self.metrics.http_requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events, streamed in the request's own task. Under uvicorn's ASGI 2.3,
+    starlette's StreamingResponse gives each response a task group and a second task that
+    listens for the client's disconnect, which ``OpenAIServer._stream`` watches itself (and
+    aborts the request on); ending that group formatted a task's repr for its cancel message,
+    about 5% of the router's CPU per request."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.stream_response(send)
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -86,8 +86,10 @@ class Tokenizer:
         """The text's ids; ``add_special_tokens``: with what the model adds to a prompt (BOS...).
 
         Special tokens written in the text (``<|im_start|>``, ``<bos>``) are parsed as tokens.
+        The batch "fast" call skips the character offsets, which nothing here reads: a fifth
+        less CPU for the router's prompts (230 against 295 us for 256 tokens).
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain-text prompt's ids, with the model's BOS/EOS rule (llama.cpp's server, vLLM)."""
