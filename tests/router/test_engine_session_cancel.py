@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.router.engine_session import EngineSession
 from pdserve.v1 import engine_pb2
+from tests.helpers.session_stub import SessionStub
 
 
 class _QueuedCall:
@@ -36,14 +37,6 @@ class _QueuedCall:
         return True
 
 
-class _Stub:
-    def __init__(self, call: _QueuedCall) -> None:
-        self.call = call
-
-    def Session(self, requests):  # noqa: N802 (gRPC's method name)
-        return self.call
-
-
 def _output(token: int, finish_reason: str = "") -> engine_pb2.SessionResponse:
     return engine_pb2.SessionResponse(
         outputs=[
@@ -55,7 +48,7 @@ def _output(token: int, finish_reason: str = "") -> engine_pb2.SessionResponse:
 async def _relayed_after_cancel(finished: bool) -> tuple[list[int], bool]:
     responses = [_output(t) for t in range(5)] + ([_output(5, "length")] if finished else [])
     call = _QueuedCall(responses)
-    session = EngineSession(_Stub(call), "127.0.0.1:1")  # type: ignore[arg-type]
+    session = EngineSession(SessionStub(call), "127.0.0.1:1")  # type: ignore[arg-type]
     stream = session.open(engine_pb2.EngineGenerateRequest(request_id="a"), timeout=10)
     relayed: list[int] = []
     iterator = stream.__aiter__()

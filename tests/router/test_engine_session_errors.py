@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.router.engine_session import EngineSession, rpc_error
 from pdserve.v1 import engine_pb2
+from tests.helpers.session_stub import SessionStub
 
 
 class _BrokenCall:
@@ -34,14 +35,6 @@ class _BrokenCall:
         return True
 
 
-class _Stub:
-    def __init__(self, call: _BrokenCall) -> None:
-        self.call = call
-
-    def Session(self, requests):  # noqa: N802 (gRPC's method name)
-        return self.call
-
-
 async def _codes(status: grpc.StatusCode) -> tuple[list[grpc.StatusCode], _BrokenCall]:
     refusal = engine_pb2.SessionResponse(
         errors=[
@@ -51,7 +44,7 @@ async def _codes(status: grpc.StatusCode) -> tuple[list[grpc.StatusCode], _Broke
         ]
     )
     call = _BrokenCall([refusal], rpc_error(status, "Internal error from Core"))
-    session = EngineSession(_Stub(call), "127.0.0.1:1")  # type: ignore[arg-type]
+    session = EngineSession(SessionStub(call), "127.0.0.1:1")  # type: ignore[arg-type]
     streams = [session.open(engine_pb2.EngineGenerateRequest(request_id=r), timeout=10) for r in ("a", "b")]
     codes = []
     for stream in streams:
