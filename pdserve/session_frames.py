@@ -12,6 +12,9 @@ peer can only send messages of the two types, and a bad frame ends the connectio
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterable
+
+from google.protobuf.message import Message
 
 HEADER_BYTES = 4
 # As the gRPC servers' limit: a prompt is far smaller than this.
@@ -40,3 +43,10 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
     if length > MAX_FRAME_BYTES:
         raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
     return await reader.readexactly(length)
+
+
+async def write_messages(writer: asyncio.StreamWriter, messages: AsyncIterable[Message]) -> None:
+    """Send each of ``messages`` as a frame as it comes, waiting while the peer's side is full."""
+    async for message in messages:
+        writer.write(frame(message.SerializeToString()))
+        await writer.drain()

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
-from pdserve.session_frames import FrameError, frame, read_frame
+from pdserve.session_frames import FrameError, read_frame, write_messages
 from pdserve.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -60,9 +60,7 @@ async def _serve_connection(
 
     async def write_responses() -> None:
         async with contextlib.aclosing(servicer.serve_session(requests())) as responses:
-            async for response in responses:
-                writer.write(frame(response.SerializeToString()))
-                await writer.drain()
+            await write_messages(writer, responses)
 
     writing = asyncio.create_task(write_responses())
     watching = asyncio.create_task(closed.wait())

@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.router.discovery import address_host
-from pdserve.session_frames import FrameError, frame, read_frame
+from pdserve.session_frames import FrameError, read_frame, write_messages
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -169,9 +169,7 @@ class FramedSessionCall:
 
     async def _send(self, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):  # a broken stream: the reader fails the session
-            async for message in self._requests:
-                writer.write(frame(message.SerializeToString()))
-                await writer.drain()
+            await write_messages(writer, self._requests)
 
 
 class _SessionCall:
