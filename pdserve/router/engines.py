@@ -90,6 +90,11 @@ class EngineHandle:
             count += 1
         return count
 
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Its last Info named a KV-event port."""
+        return self.info is not None and self.info.kv_events_port > 0
+
     def mark_down(self, reason: str, recheck: bool = True) -> None:
         """Out of the rotation; ``recheck``: its health is asked again (not when the health
         stream itself said so: it reports the next change)."""
@@ -261,7 +266,7 @@ class EnginePool:
         itself; an answer that took it out otherwise (a Check, a failed Info) asks again."""
         # An engine publishing KV events is asked every time: restarted between two checks, it
         # has a new instance id (and event ports), and its old index entries must go.
-        publishes = self.kv_events is not None and engine.info is not None and engine.info.kv_events_port > 0
+        publishes = self.kv_events is not None and engine.publishes_kv_events
         if serving and (engine.info is None or not engine.healthy or publishes):
             try:
                 engine.info = await engine.stub.Info(engine_pb2.InfoRequest(), timeout=HEALTH_TIMEOUT_S)
@@ -297,9 +302,7 @@ class EnginePool:
         id), its old index entries go, and an event stream that failed starts over."""
         while True:
             await asyncio.sleep(HEALTH_INTERVAL_S)
-            publishers = [
-                e for e in self.engines if e.healthy and e.info is not None and e.info.kv_events_port > 0
-            ]
+            publishers = [e for e in self.engines if e.healthy and e.publishes_kv_events]
             await asyncio.gather(*(self.check(e) for e in publishers), return_exceptions=True)
 
     def start(self) -> None:
