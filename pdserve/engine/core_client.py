@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
+from pdserve.engine.core_sessions import send_session_socket
 from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams
 
@@ -52,16 +54,19 @@ def spawn_core(
     outputs: zmq.Socket,
     env: dict[str, str] | None = None,
     log_level: str = "INFO",
+    session_channel: socket.socket | None = None,
 ) -> tuple[str, subprocess.Popen]:
     """Bind ``inputs``/``outputs`` to IPC paths in a private directory and start the core there.
 
     The configuration (which may hold the cluster token) goes through the child's stdin, not its
-    command line, so ``ps`` does not show it.
+    command line, so ``ps`` does not show it. ``session_channel``: the core's end of the Unix
+    socket the front hands framed sessions over on (``core_sessions``).
     """
     ipc_dir = tempfile.mkdtemp(prefix="pdserve-core-")
     input_addr, output_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     inputs.bind(input_addr)
     outputs.bind(output_addr)
+    channel = [] if session_channel is None else ["--session-channel", str(session_channel.fileno())]
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "pdserve.engine.core_proc",
@@ -69,9 +74,11 @@ def spawn_core(
             "--output", output_addr,
             "--log-level", log_level,
             "--parent-pid", str(os.getpid()),
+            *channel,
         ],
         env={**os.environ, **(env or {})},
         stdin=subprocess.PIPE,
+        pass_fds=() if session_channel is None else (session_channel.fileno(),),
     )  # fmt: skip
     assert proc.stdin is not None
     proc.stdin.write(config.to_json().encode())
@@ -93,8 +100,16 @@ class MPClient(Generic[_Sent]):
         self.ctx = ctx
         self.inputs = ctx.socket(zmq.PUSH)
         self.outputs = ctx.socket(zmq.PULL)
-        self._ipc_dir, self.proc = spawn_core(config, self.inputs, self.outputs, env, log_level)
+        # One end each: the front hands framed sessions' sockets to the core on it.
+        self.session_channel, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._ipc_dir, self.proc = spawn_core(
+                config, self.inputs, self.outputs, env, log_level, session_channel=core_end
+            )
+        finally:
+            core_end.close()
         self._nonces = itertools.count()
+        self._sessions = itertools.count(1)
         self.info: messages.CoreInfo | None = None
 
     # ------------------------------------------------------------------ requests
@@ -106,7 +121,11 @@ class MPClient(Generic[_Sent]):
         sampling_params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         priority: int = 0,
+        session: int = 0,
+        front_events: dict[str, float] | None = None,
     ) -> _Sent:
+        """Start a request; ``session`` (from ``open_session``): the core writes its outputs
+        there, with ``front_events`` in the first one, and sends the front only its last."""
         return self._send(
             messages.AddRequest(
                 request_id=request_id,
@@ -115,11 +134,32 @@ class MPClient(Generic[_Sent]):
                 kv_transfer_params=kv_transfer_params,
                 priority=priority,
                 arrival_time=time.time(),
+                session=session,
+                front_events=front_events,
             )
         )
 
-    def abort(self, request_ids: list[str]) -> _Sent:
-        return self._send(messages.Abort(list(request_ids)))
+    def abort(self, request_ids: list[str], session: int = 0) -> _Sent:
+        """Abort in the core; ``session``: the core acknowledges each id on it when answered."""
+        return self._send(messages.Abort(list(request_ids), session=session))
+
+    def open_session(self, connection: socket.socket) -> int:
+        """Hand a framed session's socket to the core (which then writes the outputs of the
+        requests started with the number returned); the front keeps reading it."""
+        session = next(self._sessions)
+        send_session_socket(self.session_channel, session, connection)
+        return session
+
+    def refuse_in_session(self, session: int, errors: list[tuple[str, int, str]]) -> _Sent:
+        """Have the core write the front's refusals (request id, status code, message) to ``session``."""
+        return self._send(
+            messages.SessionErrors(
+                session, [e[0] for e in errors], [e[1] for e in errors], [e[2] for e in errors]
+            )
+        )
+
+    def close_session(self, session: int) -> _Sent:
+        return self._send(messages.CloseSession(session))
 
     def _query(self, query_type: type[messages.Query]) -> messages.Query:
         """A query the core answers with a reply carrying the same nonce."""
@@ -170,6 +210,7 @@ class MPClient(Generic[_Sent]):
             self.proc.wait()
         if self.ctx.closed:
             return
+        self.session_channel.close()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.ctx.term()
@@ -438,7 +479,7 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         self._streams.pop(request_id, None)
         self._stream_numbers.pop(request_id, None)
 
-    def abort(self, request_ids: list[str]) -> Coroutine[Any, Any, None]:
+    def abort(self, request_ids: list[str], session: int = 0) -> Coroutine[Any, Any, None]:
         """Abort in the core. Until the core answers, outputs of an id whose stream was closed
         (or reopened by a new request reusing the id) belong to the request aborted, and are
         dropped: the new request gets only its own."""
@@ -446,7 +487,7 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
             self._aborts_in_flight.setdefault(request_id, collections.deque()).append(
                 self._stream_numbers.get(request_id)
             )
-        return super().abort(request_ids)
+        return super().abort(request_ids, session)
 
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams

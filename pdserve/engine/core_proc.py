@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from typing import Any
@@ -20,6 +21,7 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
 from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
+from pdserve.engine.core_sessions import CoreSessions
 from pdserve.engine.cpu_lending import CpuBoard, LentThreads
 from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list, pin_threads
 from pdserve.engine.kv_events import KVEventPublisher
@@ -46,9 +48,17 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 
 
 class CoreServer:
-    """Translates ZMQ messages to EngineCore calls and outputs back to messages."""
+    """Translates ZMQ messages to EngineCore calls and outputs back to messages; the outputs
+    of requests on a framed session go to the session itself (``CoreSessions``)."""
 
-    def __init__(self, core: EngineCore, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        input_addr: str,
+        output_addr: str,
+        parent_pid: int,
+        session_channel: socket.socket | None = None,
+    ) -> None:
         self.core = core
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PULL)
@@ -57,6 +67,10 @@ class CoreServer:
         self.outputs.connect(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
+        self.sessions = CoreSessions(session_channel) if session_channel is not None else None
+        if self.sessions is not None:
+            self.poller.register(self.sessions.channel.fileno(), zmq.POLLIN)
+        self._polled_for_writing: set[int] = set()
         # Taken when the process started, not after the model loaded: a front that died during
         # the load has already handed this process to init, whose pid must not pass for it.
         self.parent_pid = parent_pid
@@ -66,7 +80,11 @@ class CoreServer:
         self.outputs.send(messages.encode(message))
 
     def emit(self, outputs: list[EngineCoreOutput]) -> None:
-        self.send(messages.Outputs(outputs))
+        if self.sessions is not None:
+            outputs = self.sessions.route(outputs)
+            self.sessions.flush_messages()
+        if outputs:
+            self.send(messages.Outputs(outputs))
 
     def receive(self, timeout: float | None) -> list[Any]:
         if os.getppid() != self.parent_pid:
@@ -75,8 +93,19 @@ class CoreServer:
             return []
         items: list[Any] = []
         wait_ms = None if timeout is None else int(timeout * 1000)
-        while self.poller.poll(wait_ms):
+        while True:
+            self._poll_for_writing()
+            events = dict(self.poller.poll(wait_ms))
+            if not events:
+                return items
             wait_ms = 0
+            if self.sessions is not None:
+                if self.sessions.channel.fileno() in events:
+                    self.sessions.accept()
+                if len(events) > (self.inputs in events) + (self.sessions.channel.fileno() in events):
+                    self.sessions.flush_pending()  # a router took some of what it was behind on
+            if self.inputs not in events:
+                continue
             try:
                 item = self._translate(messages.decode_from_front(self.inputs.recv()))
             except ValueError as exc:
@@ -84,11 +113,25 @@ class CoreServer:
                 continue
             if item is not None:
                 items.append(item)
-        return items
+
+    def _poll_for_writing(self) -> None:
+        """Wake up for the sessions' sockets that have bytes waiting to go, and only for those."""
+        if self.sessions is None:
+            return
+        waiting = set(self.sessions.waiting_to_write())
+        if waiting == self._polled_for_writing:
+            return
+        for fd in self._polled_for_writing - waiting:
+            self.poller.unregister(fd)
+        for fd in waiting - self._polled_for_writing:
+            self.poller.register(fd, zmq.POLLOUT)
+        self._polled_for_writing = waiting
 
     def _translate(self, message: messages.FrontMessage) -> EngineCoreRequest | AbortRequests | None:
         """The loop's input for a request or an abort; queries are answered here (None)."""
         if isinstance(message, messages.AddRequest):
+            if message.session and self.sessions is not None:
+                self.sessions.bind(message.request_id, message.session, message.front_events)
             return EngineCoreRequest(
                 request_id=message.request_id,
                 prompt_token_ids=message.prompt_token_ids,
@@ -98,8 +141,16 @@ class CoreServer:
                 kv_transfer_params=message.kv_transfer_params,
             )
         if isinstance(message, messages.Abort):
+            if message.session and self.sessions is not None:
+                self.sessions.expect_abort(message.request_ids, message.session)
             return AbortRequests(message.request_ids)
-        if isinstance(message, messages.StatsQuery):
+        if isinstance(message, messages.SessionErrors):
+            if self.sessions is not None:
+                self.sessions.refuse(message.session, message.request_ids, message.codes, message.messages)
+        elif isinstance(message, messages.CloseSession):
+            if self.sessions is not None:
+                self.sessions.close(message.session)
+        elif isinstance(message, messages.StatsQuery):
             self.send(messages.StatsReply(nonce=message.nonce, stats=self.core.stats()))
         elif isinstance(message, messages.ResetPrefixCache):
             ok = self.core.scheduler.reset_prefix_cache()
@@ -112,6 +163,8 @@ class CoreServer:
         self.core.run_busy_loop(self.receive, self.emit, lambda: self.stopping)
 
     def close(self) -> None:
+        if self.sessions is not None:
+            self.sessions.close_all()
         self.core.shutdown()
         self.inputs.close(linger=0)
         self.outputs.close(linger=1000)
@@ -135,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--parent-pid", type=int, required=True, help="the front's pid")
+    parser.add_argument(
+        "--session-channel", type=int, default=-1, help="fd of the Unix socket the front hands sessions on"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -187,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                     config.kv_events.buffer_steps,
                 )
             )
-        server = CoreServer(core, args.input, args.output, parent_pid)
+        channel = socket.socket(fileno=args.session_channel) if args.session_channel >= 0 else None
+        server = CoreServer(core, args.input, args.output, parent_pid, channel)
         info = messages.CoreInfo(
             vocab_size=core.vocab_size,
             eos_token_id=core.eos_token_id,

@@ -36,6 +36,11 @@ class AddRequest:
     kv_transfer_params: dict[str, Any] | None
     priority: int
     arrival_time: float
+    # The framed session (``CoreSessions``) the core writes the request's outputs to; 0: none,
+    # they all go to the front.
+    session: int = 0
+    # The front's life-cycle events of the request ({event: unix time}), for its first output.
+    front_events: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,31 @@ class Abort:
     TYPE: ClassVar[str] = "abort"
 
     request_ids: list[str]
+    # The framed session that asked: each id's answer is acknowledged on it ("aborted").
+    session: int = 0
+
+
+@dataclass(frozen=True)
+class SessionErrors:
+    """Requests the front refused on a framed session (they never reached the core): the core
+    writes the refusals to the session in turn with its outputs."""
+
+    TYPE: ClassVar[str] = "session_errors"
+
+    session: int
+    request_ids: list[str]
+    codes: list[int]  # gRPC status codes
+    messages: list[str]
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """The front is done with a framed session (the router left, or a drain emptied it): the
+    core closes its copy of the connection."""
+
+    TYPE: ClassVar[str] = "close_session"
+
+    session: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +152,7 @@ class ResetPrefixCacheReply:
     ok: bool  # False: some block was still in use, nothing was reset
 
 
-FrontMessage = AddRequest | Abort | StatsQuery | ResetPrefixCache | Shutdown
+FrontMessage = AddRequest | Abort | SessionErrors | CloseSession | StatsQuery | ResetPrefixCache | Shutdown
 CoreMessage = Ready | Outputs | StatsReply | ResetPrefixCacheReply
 Query = StatsQuery | ResetPrefixCache
 Reply = StatsReply | ResetPrefixCacheReply

@@ -43,7 +43,7 @@ class EngineMetrics:
         self._labels = labels
 
     def observe_output(self, output: EngineCoreOutput) -> None:
-        self.tokens.inc(len(output.new_token_ids))
+        self.tokens.inc(len(output.new_token_ids) + output.streamed_tokens)
         if output.finish_reason:
             self.finished.labels(**self._labels, finish_reason=output.finish_reason).inc()
 

@@ -91,6 +91,9 @@ class EngineCoreOutput:
     # else an empty unfinished one. Nothing of the request it aborted follows it, so a front can
     # tell that request's late outputs from those of a new request reusing the id.
     answers_abort: bool = False
+    # A request on a framed session (``CoreSessions``): the core wrote its outputs there itself
+    # and sends its front only the last one, with the tokens written (none in new_token_ids).
+    streamed_tokens: int = 0
 
     @property
     def finished(self) -> bool:

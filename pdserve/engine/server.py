@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -40,11 +41,12 @@ from pdserve.engine.core_client import AsyncEngineCoreClient, EngineCoreError
 from pdserve.engine.cpu_resources import allowed_cpus, parse_cpu_list
 from pdserve.engine.front_session import FrontSession
 from pdserve.engine.metrics import EngineMetrics
+from pdserve.engine.output_wire import error_status, response_fields
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import SamplingParams, validate_prompt
 from pdserve.engine.session_stream import start_session_server
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from pdserve.wire import engine_stats_to_proto, kv_params_from_proto, kv_params_to_proto, sampling_from_proto
+from pdserve.wire import engine_stats_to_proto, kv_params_from_proto, sampling_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 output = await queue.get()
                 if output.finish_reason == "error":
                     finished = True
-                    await context.abort(*_error_status(str(output.stop_reason)))
+                    await context.abort(*error_status(str(output.stop_reason)))
                 finished = output.finished
                 self.metrics.observe_output(output)
                 timeline = {**front_events, **(output.timeline or {})}
@@ -143,18 +145,37 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 yield response
 
     async def serve_session(
-        self, request_iterator: AsyncIterator[engine_pb2.SessionRequest]
+        self,
+        request_iterator: AsyncIterator[engine_pb2.SessionRequest],
+        connection: socket.socket | None = None,
     ) -> AsyncGenerator[engine_pb2.SessionResponse, None]:
         """One Session stream, whatever carries it (gRPC, or ``session_stream``'s frames):
-        closing this generator early is the router going away, which aborts what is left."""
+        closing this generator early is the router going away, which aborts what is left.
+
+        ``connection``: the framed stream's socket, which the core then writes to itself
+        (``core_sessions``: one hop less a step); nothing is yielded here, and what the front
+        refuses goes through the core, in turn with its outputs."""
         session = FrontSession()
+        if connection is not None:
+            session.core_session = self.core.open_session(connection)
         self.sessions.add(session)
         reader = asyncio.create_task(self._read_session(request_iterator, session))
         try:
             while True:
                 await session.wake.wait()
+                if session.core_session and self.core.dead:
+                    return  # nothing writes to the router any more: closing tells it
                 outputs, errors, aborted = session.take()
-                if outputs or errors or aborted:
+                if session.core_session:
+                    self._session_finished(session, outputs)
+                    if errors:
+                        try:
+                            await self.core.refuse_in_session(
+                                session.core_session, [(e.request_id, e.code, e.message) for e in errors]
+                            )
+                        except EngineCoreError:
+                            return  # the core is gone: closing tells the router
+                elif outputs or errors or aborted:
                     yield self._session_response(session, outputs, errors, aborted)
                 if (reader.done() or self.draining) and not session.requests:
                     if reader.done():
@@ -166,11 +187,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             left = list(session.requests)
             for request_id in left:
                 self.core.close_stream(request_id)
-            if left:
-                # The router went away (or cancelled the stream): free the requests' blocks.
-                logger.info("session closed with %d requests running, aborting: %s", len(left), left)
-                with contextlib.suppress(EngineCoreError):
+            with contextlib.suppress(EngineCoreError):
+                if left:
+                    # The router went away (or cancelled the stream): free the requests' blocks.
+                    logger.info("session closed with %d requests running, aborting: %s", len(left), left)
                     await self.core.abort(left)
+                if session.core_session and not self.core.dead:
+                    await self.core.close_session(session.core_session)
 
     async def _read_session(self, request_iterator: Any, session: FrontSession) -> None:
         try:
@@ -181,11 +204,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     request_id = message.abort_request_id
                     # Answered in the next message even when it had ended here already (the
                     # router cannot tell), which also wakes a draining session to end.
-                    if session.abort(request_id):
+                    running = session.abort(request_id)
+                    if running:
                         self.core.close_stream(request_id)
                         logger.info("%s: aborted by the router", request_id)
+                    if running or session.core_session:
+                        # On a core-written session the core answers every abort, in turn
+                        # with the outputs it wrote.
                         with contextlib.suppress(EngineCoreError):
-                            await self.core.abort([request_id])
+                            await self.core.abort([request_id], session.core_session)
         finally:
             session.wake.set()  # the writer checks whether the session is over
 
@@ -199,13 +226,31 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return
         session.add(request_id)
         self.core.open_stream(request_id, session)
+        front_events = None
+        if session.core_session:
+            front_events, session.requests[request_id] = session.requests[request_id], {}
         try:
-            await self.core.add_request(request_id, prompt, sampling, kv_params, request.priority)
+            await self.core.add_request(
+                request_id, prompt, sampling, kv_params, request.priority, session.core_session, front_events
+            )
         except EngineCoreError as exc:
             self.core.close_stream(request_id)
             session.fail(request_id, grpc.StatusCode.UNAVAILABLE.value[0], f"engine core unavailable: {exc}")
             return
         logger.info("%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params))
+
+    def _session_finished(self, session: FrontSession, outputs: list[EngineCoreOutput]) -> None:
+        """A core-written session's last outputs (the core wrote them to the router): count
+        and log them, and let the requests go."""
+        for output in outputs:
+            request_id = output.request_id
+            if request_id not in session.requests or not output.finished:
+                continue
+            self.core.close_stream(request_id)
+            del session.requests[request_id]
+            if output.finish_reason != "error":  # an error is not a finish (as on gRPC)
+                self.metrics.observe_output(output)
+                logger.info("%s: finished (%s)", request_id, output.finish_reason)
 
     def _session_response(
         self,
@@ -222,7 +267,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 # output when several core messages were read at once): nothing more to send.
                 continue
             if output.finish_reason == "error":
-                code, message = _error_status(str(output.stop_reason))
+                code, message = error_status(str(output.stop_reason))
                 self.core.close_stream(request_id)
                 session.requests.pop(request_id, None)
                 response.errors.append(
@@ -233,7 +278,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.metrics.observe_output(output)
             timeline = {**events, **(output.timeline or {})} if events else output.timeline
             session.requests[request_id] = {}
-            response.outputs.add(**_response_fields(output, timeline))
+            response.outputs.add(**response_fields(output, timeline))
             if output.finished:
                 self.core.close_stream(request_id)
                 del session.requests[request_id]
@@ -293,39 +338,7 @@ class _Refused(Exception):
 def _response(
     output: EngineCoreOutput, timeline: dict[str, float] | None
 ) -> engine_pb2.EngineGenerateResponse:
-    return engine_pb2.EngineGenerateResponse(**_response_fields(output, timeline))
-
-
-def _response_fields(output: EngineCoreOutput, timeline: dict[str, float] | None) -> dict[str, Any]:
-    """An ``EngineGenerateResponse``'s fields, the unset ones left out: a session's message
-    builds each output in place from them (``outputs.add``), half the time of a copy."""
-    fields: dict[str, Any] = {
-        "request_id": output.request_id,
-        "token_ids": output.new_token_ids,
-        "num_cached_tokens": output.num_cached_tokens,
-        "num_prefix_hit_tokens": output.num_prefix_hit_tokens,
-    }
-    if output.finish_reason:
-        fields["finish_reason"] = output.finish_reason
-    if output.kv_transfer_params:
-        fields["kv_transfer_params"] = kv_params_to_proto(output.kv_transfer_params)
-    if timeline:
-        fields["timeline"] = timeline
-    return fields
-
-
-def _error_status(reason: str) -> tuple[grpc.StatusCode, str]:
-    if reason == "kv_load_failed":
-        # Not UNAVAILABLE: this engine is fine, the request's remote KV is what was lost.
-        return (
-            grpc.StatusCode.ABORTED,
-            "KV transfer from the prefill engine failed (kv_load_failure_policy=fail)",
-        )
-    if reason.startswith("internal error"):
-        return grpc.StatusCode.INTERNAL, reason
-    if reason == "engine core died":
-        return grpc.StatusCode.UNAVAILABLE, "engine core died"
-    return grpc.StatusCode.INVALID_ARGUMENT, reason
+    return engine_pb2.EngineGenerateResponse(**response_fields(output, timeline))
 
 
 async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any, metrics: EngineMetrics) -> None:

@@ -7,6 +7,9 @@ RPC's: the checks, the refusals and their status codes, one message a step, the 
 router that goes away (the connection closes, or breaks) has its requests aborted and their
 blocks freed, as a cancelled RPC has. The router is this stream's only client: it sends nothing
 before its requests (no handshake), and the engine's gRPC port is as open as this one.
+
+The front reads the stream; the engine core writes it (the connection's socket is handed to the
+core, ``core_sessions``), so a step's outputs reach the router without waking the front.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
@@ -29,7 +33,9 @@ class SessionServicer(Protocol):
     """What serves a session's messages (``EngineServicer``), whatever carries them."""
 
     def serve_session(
-        self, request_iterator: AsyncIterator[engine_pb2.SessionRequest]
+        self,
+        request_iterator: AsyncIterator[engine_pb2.SessionRequest],
+        connection: socket.socket | None = None,
     ) -> AsyncGenerator[engine_pb2.SessionResponse, None]: ...
 
 
@@ -58,8 +64,10 @@ async def _serve_connection(
             logger.warning("session stream from %s sent a bad message: %s", peer, exc)
         closed.set()
 
+    connection = writer.get_extra_info("socket")  # the core writes the session's outputs
+
     async def write_responses() -> None:
-        async with contextlib.aclosing(servicer.serve_session(requests())) as responses:
+        async with contextlib.aclosing(servicer.serve_session(requests(), connection)) as responses:
             await write_messages(writer, responses)
 
     writing = asyncio.create_task(write_responses())
