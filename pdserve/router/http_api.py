@@ -555,6 +555,10 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
+# Where ``_CountRequests`` leaves the server's ``send`` in a request's scope.
+_SERVER_SEND = "pdserve.server_send"
+
+
 class _CountRequests:
     """ASGI middleware: counts HTTP requests by endpoint and status (streams included)."""
 
@@ -579,6 +583,10 @@ class _CountRequests:
                 status["code"] = message["status"]
             await send(message)
 
+        # The server's own send, for a stream's chunks once its status went out through the
+        # middlewares (``_EventStream``): they only watch the start of a response.
+        scope[_SERVER_SEND] = send
+
         try:
             await self.app(scope, receive, send_counting)
         finally:
@@ -593,7 +601,13 @@ class _EventStream(StreamingResponse):
     about 5% of the router's CPU per request."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.stream_response(send)
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        # Each token's chunk straight to the server: three middleware layers (which only
+        # watch a response's start) less per token.
+        send_chunk = scope.get(_SERVER_SEND, send)
+        async for chunk in self.body_iterator:
+            await send_chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send_chunk({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _EmbeddedServer(uvicorn.Server):
