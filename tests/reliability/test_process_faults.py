@@ -158,6 +158,29 @@ def test_decode_killed_mid_transfer_request_is_retried_on_the_other_decode(ready
     wait_idle(env.engines)
 
 
+def test_decode_core_killed_mid_stream_resumes_on_the_other_decode(ready, tiny_llm, tokenizer):
+    """Only the engine core dies, its front lives on: the framed session the core was writing
+    is closed, the router fails the stream over (UNAVAILABLE) and resumes it on the other
+    decode engine, and the client gets every token, unchanged."""
+    env = ready
+    prompt = fresh_prompt(tokenizer)
+    target = Stream(env.client, generate_request(prompt, 200, "decode-core-killed"))
+    target.wait_tokens(3)
+    victim = next(d for d in env.decodes if engine_stats(d.address)["num_running"])
+    survivor = next(d for d in env.decodes if d is not victim)
+
+    for pid in victim.core_pids():
+        os.kill(pid, signal.SIGKILL)
+    target.wait_done(60)
+    assert (target.finish_reason, target.code) == ("length", None), target.details
+    assert target.tokens == _want(tiny_llm, prompt, 200)
+    _health_flips(env.client, victim, healthy=False)
+    wait_idle([env.prefill, survivor])
+    victim.restart()
+    _health_flips(env.client, victim, healthy=True)
+    wait_idle(env.engines)
+
+
 def test_router_restart_clients_reconnect_and_engines_keep_nothing(ready, tiny_llm, tokenizer):
     env = ready
     target = Stream(env.client, generate_request(fresh_prompt(tokenizer), 900, "router-killed"))
