@@ -100,8 +100,10 @@ class CoreServer:
                 return items
             wait_ms = 0
             if self.sessions is not None:
-                if self.sessions.channel.fileno() in events:
-                    self.sessions.accept()
+                if self.sessions.channel.fileno() in events and not self.sessions.accept():
+                    logger.warning("front process is gone (its session channel closed); shutting down")
+                    self.stopping = True
+                    return items
                 if len(events) > (self.inputs in events) + (self.sessions.channel.fileno() in events):
                     self.sessions.flush_pending()  # a router took some of what it was behind on
             if self.inputs not in events:

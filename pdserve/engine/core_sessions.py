@@ -75,15 +75,18 @@ class CoreSessions:
 
     # ------------------------------------------------------------------ from the front
 
-    def accept(self) -> None:
-        """Take every session socket the front has sent."""
+    def accept(self) -> bool:
+        """Take every session socket the front has sent; False once the front has closed its
+        end (it exited: the channel then stays readable, at its end, for good)."""
         while True:
             try:
                 data, fds, _, _ = socket.recv_fds(self.channel, SESSION_ID.size, 4)
             except (BlockingIOError, InterruptedError):
-                return
-            if not data:
-                return  # the front closed its end
+                return True
+            except OSError:
+                return False
+            if not data and not fds:
+                return False
             for extra in fds[1:]:
                 socket.close(extra)
             if not fds or len(data) != SESSION_ID.size:
@@ -100,9 +103,8 @@ class CoreSessions:
         deadline = timeout_s
         while session not in self._sessions:
             ready, _, _ = select.select([self.channel], [], [], deadline)
-            if not ready:
+            if not ready or not self.accept():
                 return False
-            self.accept()
             deadline = 0.1 if session not in self._sessions else 0
         return True
 

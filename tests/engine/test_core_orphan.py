@@ -11,7 +11,7 @@ import sys
 
 from tests.helpers.cluster import pid_gone
 from tests.helpers.processes import children_of, processes_mentioning
-from tests.helpers.reliability import free_ports, wait_for
+from tests.helpers.reliability import free_ports, serving, wait_for
 
 
 def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_dir, tmp_path):
@@ -32,6 +32,31 @@ def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_d
         if front.poll() is None:
             front.kill()
     assert "is gone" in (tmp_path / "front.log").read_text()  # the core says why it left
+
+
+def test_a_front_killed_while_its_core_serves_leaves_no_core_behind(tiny_model_dir, tmp_path):
+    """Killed once it serves (its core idle in its loop, the session channel open): the core
+    exits too, rather than spinning on the channel the dead front closed."""
+    (port,) = free_ports(1)
+    with open(tmp_path / "front.log", "wb") as log:
+        front = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--model", tiny_model_dir, "--max-model-len", "64", "--num-blocks", "16"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: serving(f"127.0.0.1:{port}"), 120, "the engine to serve")
+        (core,) = _cores_of(front.pid)
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(timeout=10)
+        try:
+            wait_for(lambda: pid_gone(core), 30, "the core to exit")
+        finally:
+            if not pid_gone(core):
+                os.kill(core, signal.SIGKILL)  # not left spinning under the other tests
+    finally:
+        if front.poll() is None:
+            front.kill()
 
 
 def _cores_of(front: int) -> list[int]:

@@ -156,3 +156,12 @@ def test_a_router_gone_drops_its_session_and_later_outputs_still_end_at_the_fron
     front = step(sessions, [EngineCoreOutput("q", [3], finish_reason="length")])
     assert [(o.request_id, o.streamed_tokens) for o in front] == [("q", 3)]
     assert not sessions.waiting_to_write()
+
+
+def test_the_channel_closed_by_a_dead_front_is_told_apart_from_an_empty_one():
+    front_end, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sessions = CoreSessions(core_end)
+    assert sessions.accept()  # nothing sent yet: the front is still there
+    front_end.close()
+    assert not sessions.accept()
+    core_end.close()
