@@ -15,13 +15,7 @@ from tests.helpers.reliability import free_ports, serving, wait_for
 
 
 def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_dir, tmp_path):
-    (port,) = free_ports(1)
-    with open(tmp_path / "front.log", "wb") as log:
-        front = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--model", tiny_model_dir, "--max-model-len", "64", "--num-blocks", "16"],
-            stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
+    _, front = _start_front(tiny_model_dir, tmp_path)
     try:
         wait_for(lambda: _cores_of(front.pid), 60, "the front to spawn its core")
         (core,) = _cores_of(front.pid)
@@ -37,13 +31,7 @@ def test_a_front_killed_while_its_core_starts_leaves_no_core_behind(tiny_model_d
 def test_a_front_killed_while_its_core_serves_leaves_no_core_behind(tiny_model_dir, tmp_path):
     """Killed once it serves (its core idle in its loop, the session channel open): the core
     exits too, rather than spinning on the channel the dead front closed."""
-    (port,) = free_ports(1)
-    with open(tmp_path / "front.log", "wb") as log:
-        front = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--model", tiny_model_dir, "--max-model-len", "64", "--num-blocks", "16"],
-            stdout=subprocess.DEVNULL, stderr=log,
-        )  # fmt: skip
+    port, front = _start_front(tiny_model_dir, tmp_path)
     try:
         wait_for(lambda: serving(f"127.0.0.1:{port}"), 120, "the engine to serve")
         (core,) = _cores_of(front.pid)
@@ -57,6 +45,18 @@ def test_a_front_killed_while_its_core_serves_leaves_no_core_behind(tiny_model_d
     finally:
         if front.poll() is None:
             front.kill()
+
+
+def _start_front(model_dir: str, tmp_path) -> tuple[int, subprocess.Popen]:
+    """A colocated engine front on a free port, its log in ``tmp_path/front.log``."""
+    (port,) = free_ports(1)
+    with open(tmp_path / "front.log", "wb") as log:
+        front = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--model", model_dir, "--max-model-len", "64", "--num-blocks", "16"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+    return port, front
 
 
 def _cores_of(front: int) -> list[int]:
