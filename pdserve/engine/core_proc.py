@@ -104,7 +104,7 @@ class CoreServer:
                     logger.warning("front process is gone (its session channel closed); shutting down")
                     self.stopping = True
                     return items
-                if len(events) > (self.inputs in events) + (self.sessions.channel.fileno() in events):
+                if not self._polled_for_writing.isdisjoint(events):
                     self.sessions.flush_pending()  # a router took some of what it was behind on
             if self.inputs not in events:
                 continue

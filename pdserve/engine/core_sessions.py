@@ -27,6 +27,7 @@ import logging
 import select
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.output_wire import error_status, response_fields
@@ -100,12 +101,11 @@ class CoreSessions:
     def wait_for(self, session: int, timeout_s: float = 5.0) -> bool:
         """Read the hand-over of ``session`` (sent before any of its requests, on the other
         channel, so it may not have been read yet). False if it never comes."""
-        deadline = timeout_s
+        deadline = time.monotonic() + timeout_s
         while session not in self._sessions:
-            ready, _, _ = select.select([self.channel], [], [], deadline)
+            ready, _, _ = select.select([self.channel], [], [], max(0.0, deadline - time.monotonic()))
             if not ready or not self.accept():
                 return False
-            deadline = 0.1 if session not in self._sessions else 0
         return True
 
     def bind(self, request_id: str, session: int, front_events: dict[str, float] | None) -> bool:
