@@ -37,6 +37,15 @@ class RouterMetrics:
             ["path"],
             registry=self.registry,
         )
+        self.streamed_tokens = Counter(
+            "pdserve_router_streamed_tokens",
+            "Tokens of streamed HTTP answers by what sent them: the engine session's reader, "
+            "straight to the client (reader), or the request's task (task: a stage's first and "
+            "last tokens, and every token of a stream with stop strings, several choices, or a "
+            "client not reading)",
+            ["path"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Time to first token",

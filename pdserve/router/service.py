@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import grpc
 
@@ -90,6 +91,20 @@ class LiveRequest:
             call.cancel()
 
 
+class TokenSink(Protocol):
+    """Where a front door takes a streamed answer's plain tokens straight from the engine
+    session's reader (``SessionStream.deliver``), past the request path's generators. Only the
+    tokens between a stage's first and last message come here; those go through ``run``."""
+
+    def ready(self) -> bool:
+        """True when ``tokens`` can send at once (the client reads, and is there)."""
+        ...
+
+    def tokens(self, text: str, token_ids: list[int]) -> None:
+        """Send a token's text delta (possibly empty: a character still incomplete)."""
+        ...
+
+
 class _Aborted(Exception):
     """The client asked (through Abort, or by disconnecting) to end the request."""
 
@@ -104,6 +119,8 @@ DEFAULT_MAX_PREFILL_QUEUE_TOKENS = 1024
 # The longest uncached prompt a decode engine takes whole that way: its other streams wait for
 # that prefill's step.
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1024
+# Inter-token gaps of a sink's tokens observed together (``RouterServicer._relay``).
+ITL_BATCH = 16
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -226,20 +243,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(exc.code, str(exc))
 
     async def run(
-        self, live: LiveRequest, prepared: PreparedRequest, timeout: float | None = None
+        self,
+        live: LiveRequest,
+        prepared: PreparedRequest,
+        timeout: float | None = None,
+        sink: TokenSink | None = None,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The one request path, behind both front doors: route, stream, and on any early end
         (abort, disconnect, failure, a stop string) abort the request on every engine touched.
 
         Raises RouterError when the request fails; an abort ends the stream with
-        finish_reason "abort".
+        finish_reason "abort". With a ``sink``, a decode stage's plain tokens (not its first
+        or last) go to it instead of being yielded, when no stop string is to be watched.
         """
         request_id = live.request_id
         finished = counted = False
         try:
             # Closed at once when we stop early: each stage's in-flight count drops right away.
             async with contextlib.aclosing(
-                self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S)
+                self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S, sink)
             ) as responses:
                 async for response in responses:
                     finished = bool(response.finish_reason)
@@ -274,7 +296,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     del self.live[request_id]
 
     async def _run(
-        self, live: LiveRequest, prepared: PreparedRequest, timeout: float
+        self, live: LiveRequest, prepared: PreparedRequest, timeout: float, sink: TokenSink | None
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         tokens, sampling, priority = prepared.prompt_token_ids, prepared.sampling, prepared.priority
         block_size = self._limits()[2]
@@ -364,6 +386,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 text,
                 timings,
                 prefill_done=prefill_done,
+                sink=sink,
             )
         ) as decoded:
             async for response in decoded:
@@ -403,6 +426,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         text: TextStream,
         timings: dict,
         prefill_done: float | None = None,
+        sink: TokenSink | None = None,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The decode stage, after ``output`` (the tokens already streamed: the prefill's first
         one, or none); ``sampling`` counts from the start of the output.
@@ -436,7 +460,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
             try:
                 async with contextlib.aclosing(
-                    self._relay(live, stage, text, timings, first_stage=not output, prefill_done=prefill_done)
+                    self._relay(
+                        live,
+                        stage,
+                        text,
+                        timings,
+                        first_stage=not output,
+                        prefill_done=prefill_done,
+                        sink=sink,
+                        streamed=output,
+                    )
                 ) as relay:
                     async for response, _ in relay:
                         output.extend(response.token_ids)
@@ -465,9 +498,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         kv: common_pb2.KVTransferParams | None,
         block_hashes: list,
         timeout: float,
-    ) -> AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse], None]:
+    ) -> AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse, SessionStream], None]:
         """Run one stage on an engine of ``role``; retried once elsewhere if the engine was
-        unreachable before it produced anything."""
+        unreachable before it produced anything. Yields each message with the engine and the
+        request's stream there."""
         tried: set[str] = set()
         # A decode stage with no KV to pull: the engine prefills the prompt itself.
         local_prefill = role == "decode" and kv is None
@@ -522,7 +556,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         # Its prefix cache now holds the prompt (remembered before the caller,
                         # done with the request, may close this stage at the last message).
                         engine.remember_blocks(block_hashes)
-                    yield engine, message
+                    yield engine, message, call
                     if message.finish_reason:
                         # The last message: don't wait for the stream's closing status (a
                         # round trip) before the next stage, the decode handover, can start.
@@ -577,76 +611,122 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _relay(
         self,
         live: LiveRequest,
-        stage: AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse], None],
+        stage: AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse, SessionStream], None],
         text: TextStream,
         timings: dict[str, float],
         first_stage: bool,
         last_stage: bool = True,
         prefill_done: float | None = None,
+        sink: TokenSink | None = None,
+        streamed: list[int] | None = None,
     ) -> AsyncGenerator[tuple[router_pb2.GenerateResponse, engine_pb2.EngineGenerateResponse], None]:
         """Turn engine messages into router messages (text deltas, metrics on the last one).
 
         A non-last stage (prefill before decode) ends the request only if it finished for
         another reason than handing over (``length`` after its one token): EOS, stop, abort.
         A stop string ends it wherever it matches; the caller then aborts it on the engines.
+
+        With a ``sink`` (a last stage, no stop strings), once the stage's first token went out
+        its plain tokens go to the sink from the session's reader (``_relay_token``), each
+        also added to ``streamed`` (what a resume starts from), as the caller would have.
         """
         stage_start = time.perf_counter()
         last_token_at: float | None = None
         hits_recorded = False
         itl = self.metrics.itl
+        use_sink = sink is not None and streamed is not None and last_stage and not text.stop
+        # Inter-token gaps of tokens sent to the sink, observed ITL_BATCH at a time (and at the
+        # stage's end): one histogram update a token is a few us on a busy core, less in a row.
+        gaps: list[float] = []
+        # Only used when use_sink (so neither is None then).
+        to_sink, resume_from = cast(TokenSink, sink), cast(list[int], streamed)
+
+        def observe_gaps() -> None:
+            for gap in gaps:
+                itl.observe(gap)
+            gaps.clear()
+
+        def relay_token(message: engine_pb2.EngineGenerateResponse) -> bool:
+            # The loop below for a message that only carries tokens; anything else (a last
+            # message, timeline, a cache count) declines, to be relayed there.
+            nonlocal last_token_at
+            if (
+                message.finish_reason
+                or not message.token_ids
+                or message.timeline
+                or message.num_cached_tokens > timings.get("num_cached_tokens", 0)
+                or not to_sink.ready()
+            ):
+                return False
+            now = time.perf_counter()
+            tokens = list(message.token_ids)
+            gaps.append(now - (last_token_at or now))
+            if len(gaps) >= ITL_BATCH:
+                observe_gaps()
+            last_token_at = now
+            delta = text.push(tokens)
+            resume_from.extend(tokens)
+            to_sink.tokens(delta, tokens)
+            return True
+
         async with contextlib.aclosing(stage):
-            async for engine, message in stage:
-                now = time.perf_counter()
-                tokens = list(message.token_ids)
-                if message.timeline:
-                    for event, at in message.timeline.items():
-                        live.timeline.setdefault(f"{engine.role}.{event}", at)
-                if tokens:
-                    if last_token_at is not None:
-                        itl.observe(now - last_token_at)
-                    else:
-                        if first_stage and "ttft_ms" not in timings:
-                            live.timeline["router.first_token"] = time.time()
-                            timings["ttft_ms"] = (now - live.arrival) * 1e3
-                            timings["prefill_ms"] = (now - stage_start) * 1e3
-                            self.metrics.ttft.observe(now - live.arrival)
-                        if prefill_done is not None and "transfer_ms" not in timings:
-                            live.timeline["router.decode_first_token"] = time.time()
-                            timings["transfer_ms"] = (now - prefill_done) * 1e3
-                            self.metrics.transfer.observe(now - prefill_done)
-                    last_token_at = now
-                if not hits_recorded:
-                    timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
-                    if (tokens or message.finish_reason) and f"{engine.role}_hit_blocks" not in timings:
-                        hits_recorded = True
-                        self._record_hits(
-                            live, engine.role, message, timings, pulled=prefill_done is not None
-                        )
-                if message.num_cached_tokens > timings.get("num_cached_tokens", 0):
-                    timings["num_cached_tokens"] = message.num_cached_tokens
-                finish_reason = message.finish_reason
-                final = bool(finish_reason) and (last_stage or finish_reason != "length")
-                delta = text.push(tokens, final=final)
-                if text.matched_stop is not None:
-                    live.cut_short = not final
-                    final, finish_reason = True, "stop"
-                    timings["stop_reason"] = text.matched_stop  # type: ignore[assignment]
-                out = router_pb2.GenerateResponse(
-                    request_id=live.request_id,
-                    token_ids=tokens,
-                    text=delta,
-                    finish_reason=finish_reason if final else "",
-                )
-                if final:
-                    if prefill_done is not None:
-                        timings["decode_ms"] = (now - prefill_done) * 1e3
-                    live.timeline["router.done"] = time.time()
-                    out.metrics.CopyFrom(_metrics(timings, live.timeline))
-                    self.trace.write(live.request_id, out.metrics)
-                    self.metrics.requests.labels(finish_reason=finish_reason).inc()
-                yield out, message
-                if final:
-                    return
+            try:
+                async for engine, message, call in stage:
+                    now = time.perf_counter()
+                    tokens = list(message.token_ids)
+                    if message.timeline:
+                        for event, at in message.timeline.items():
+                            live.timeline.setdefault(f"{engine.role}.{event}", at)
+                    if tokens:
+                        if last_token_at is not None:
+                            itl.observe(now - last_token_at)
+                        else:
+                            if first_stage and "ttft_ms" not in timings:
+                                live.timeline["router.first_token"] = time.time()
+                                timings["ttft_ms"] = (now - live.arrival) * 1e3
+                                timings["prefill_ms"] = (now - stage_start) * 1e3
+                                self.metrics.ttft.observe(now - live.arrival)
+                            if prefill_done is not None and "transfer_ms" not in timings:
+                                live.timeline["router.decode_first_token"] = time.time()
+                                timings["transfer_ms"] = (now - prefill_done) * 1e3
+                                self.metrics.transfer.observe(now - prefill_done)
+                        last_token_at = now
+                    if not hits_recorded:
+                        timings[f"{engine.role}_engine"] = engine.address  # type: ignore[assignment]
+                        if (tokens or message.finish_reason) and f"{engine.role}_hit_blocks" not in timings:
+                            hits_recorded = True
+                            self._record_hits(
+                                live, engine.role, message, timings, pulled=prefill_done is not None
+                            )
+                    if message.num_cached_tokens > timings.get("num_cached_tokens", 0):
+                        timings["num_cached_tokens"] = message.num_cached_tokens
+                    finish_reason = message.finish_reason
+                    final = bool(finish_reason) and (last_stage or finish_reason != "length")
+                    delta = text.push(tokens, final=final)
+                    if text.matched_stop is not None:
+                        live.cut_short = not final
+                        final, finish_reason = True, "stop"
+                        timings["stop_reason"] = text.matched_stop  # type: ignore[assignment]
+                    out = router_pb2.GenerateResponse(
+                        request_id=live.request_id,
+                        token_ids=tokens,
+                        text=delta,
+                        finish_reason=finish_reason if final else "",
+                    )
+                    if final:
+                        if prefill_done is not None:
+                            timings["decode_ms"] = (now - prefill_done) * 1e3
+                        live.timeline["router.done"] = time.time()
+                        out.metrics.CopyFrom(_metrics(timings, live.timeline))
+                        self.trace.write(live.request_id, out.metrics)
+                        self.metrics.requests.labels(finish_reason=finish_reason).inc()
+                    yield out, message
+                    if final:
+                        return
+                    if use_sink and hits_recorded and last_token_at is not None and call.fast is None:
+                        call.fast = relay_token
+            finally:
+                observe_gaps()
 
     def _record_hits(
         self,

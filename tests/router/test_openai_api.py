@@ -448,6 +448,51 @@ def test_curl_streams_server_sent_events(cluster):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def _metric(cluster, sample: str) -> float:
+    base = cluster.http_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/metrics") as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_streams_tokens_come_from_the_session_reader_in_the_tasks_own_chunks(
+    cluster, tiny_llm, long_prompt
+):
+    reader = 'pdserve_router_streamed_tokens_total{path="reader"}'
+    task = 'pdserve_router_streamed_tokens_total{path="task"}'
+    before = _metric(cluster, reader), _metric(cluster, task)
+    body = {
+        "model": MODEL, "prompt": long_prompt, "max_tokens": 40, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True}, **GREEDY,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"{cluster.http_url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = response.read().decode().strip("\n").split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    *token_chunks, usage_chunk = chunks
+    expected = _reference(tiny_llm, tiny_llm.tokenizer.encode(long_prompt), 40)
+    assert "".join(c["choices"][0]["text"] for c in token_chunks) == tiny_llm.tokenizer.decode(expected)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 40
+    # Whoever sent it, every chunk is the one shape, of the one answer.
+    for chunk in token_chunks:
+        assert list(chunk) == ["id", "object", "created", "model", "choices", "usage"]
+        assert (chunk["id"], chunk["created"]) == (chunks[0]["id"], chunks[0]["created"])
+        assert chunk["object"] == "text_completion" and chunk["model"] == MODEL and chunk["usage"] is None
+        (choice,) = chunk["choices"]
+        assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason"]
+        assert choice["finish_reason"] == ("length" if chunk is token_chunks[-1] else None)
+    # Most tokens went straight from the engine session's reader; a stage's first and last
+    # tokens (3 here: prefill's, decode's first, the last) took the request's task.
+    by_reader, by_task = _metric(cluster, reader) - before[0], _metric(cluster, task) - before[1]
+    assert by_reader + by_task == 40
+    assert by_reader >= 30, (by_reader, by_task)
+
+
 def test_health_and_metrics(cluster, sdk):
     base = cluster.http_url.removesuffix("/v1")
     with urllib.request.urlopen(f"{base}/health") as response:
