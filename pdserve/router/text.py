@@ -13,7 +13,9 @@ With stop strings, the text ends just before the first match (or after it,
 with ``include_stop_str_in_output``) and, while streaming, the last ``len(longest stop) - 1``
 characters are held back so that a stop string split across tokens never reaches the client
 in part — what vLLM's detokenizer does. Tokens are decoded incrementally (tokenizers'
-``DecodeStream``, as vLLM's fast detokenizer), so a token costs the same at any output length.
+``DecodeStream``, as vLLM's fast detokenizer; for a byte-level tokenizer, a table of each
+token's bytes with the same contract, ``pdserve.engine.model.token_bytes``), so a token costs
+the same at any output length.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class TextStream:
         # Characters that may be the start of a stop string and so are not sent yet.
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
+        # A byte-level tokenizer's table of token bytes, or tokenizers' generic DecodeStream.
+        table = tokenizer.token_bytes()
+        self._step = table.stream().step if table is not None else self._decode_stream_step
         self._decoder = DecodeStream(skip_special_tokens=True)
         self.text = ""  # the text of token_ids as decoded so far (all of it once final)
         self._held_from = 0  # token_ids[_held_from:] have given no text from the decoder yet
@@ -67,7 +72,7 @@ class TextStream:
         else:
             # Incremental: only the new tokens are decoded (None while a UTF-8 character is
             # incomplete), not the whole output again at every token.
-            piece = self._decoder.step(self.tokenizer.backend, list(new_ids)) if new_ids else None
+            piece = self._step(list(new_ids)) if new_ids else None
             if piece:
                 self.text += self._unsettled(piece)
                 self._held_from, self._settled = len(self.token_ids), ""
@@ -91,6 +96,9 @@ class TextStream:
         if self.stop and not final:
             end = max(self.sent, len(full) - self.holdback)
         return self._send(full, end)
+
+    def _decode_stream_step(self, ids: list[int]) -> str | None:
+        return self._decoder.step(self.tokenizer.backend, ids)
 
     def _settle(self) -> str:
         """The held tokens' text that no later byte can change, less what went out before."""

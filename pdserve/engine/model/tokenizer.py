@@ -28,6 +28,7 @@ from pdserve.engine.model.gguf_tokenizer import (
     byte_level_pre_tokenizer,
     check_gguf_tokenizer,
 )
+from pdserve.engine.model.token_bytes import TokenBytes
 
 __all__ = [
     "NoChatTemplateError",
@@ -69,6 +70,15 @@ class Tokenizer:
         self.chat_template = chat_template
         # The special tokens a chat template sees besides bos_token / eos_token (unk_token, ...).
         self.template_tokens = dict(template_tokens or {})
+        self._token_bytes: TokenBytes | None = None
+        self._token_bytes_built = False
+
+    def token_bytes(self) -> TokenBytes | None:
+        """Each token's bytes, for a byte-level decoder (built at the first call), else None."""
+        if not self._token_bytes_built:
+            self._token_bytes = TokenBytes.of(self.backend)
+            self._token_bytes_built = True
+        return self._token_bytes
 
     @property
     def vocab_size(self) -> int:
