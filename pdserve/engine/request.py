@@ -140,6 +140,14 @@ def validate_prompt(
             f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens, which leaves no room "
             f"to generate within max_model_len ({max_model_len})"
         )
+    # In C first (a router and two fronts check every prompt); the loop below only finds the
+    # id to name.
+    if (
+        set(map(type, prompt_token_ids)) == {int}
+        and min(prompt_token_ids) >= 0
+        and (vocab_size is None or max(prompt_token_ids) < vocab_size)
+    ):
+        return
     for token in prompt_token_ids:
         if (
             not isinstance(token, int)
