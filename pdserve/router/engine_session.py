@@ -93,11 +93,11 @@ class SessionStream:
                 if fast(message):
                     return
             except Exception as exc:  # noqa: BLE001 - one request's bug must not end the session
-                logger.exception("%s: relaying a token failed", self.request_id)
+                logger.exception("%s: the router failed to relay a token", self.request_id)
                 self.fast = None
                 self.close()
                 self.queue.put_nowait(
-                    rpc_error(grpc.StatusCode.INTERNAL, f"relaying a token failed: {exc!r}")
+                    rpc_error(grpc.StatusCode.INTERNAL, f"the router failed to relay a token: {exc!r}")
                 )
                 return
         self.queue.put_nowait(message)

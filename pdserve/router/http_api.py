@@ -444,9 +444,9 @@ class OpenAIServer:
 
         # A plain token's chunk is the same but for its text: made once, filled in per token.
         templated = not (continuous_usage or body.return_token_ids)
-        head, _, tail = event([choices[0].item(chat, _TEXT_MARK, None, False, True)]).partition(
-            orjson.dumps(_TEXT_MARK)
-        )
+        template = event([choices[0].item(chat, _TEXT_MARK, None, False, True)])
+        assert template.count(orjson.dumps(_TEXT_MARK)) == 1
+        head, _, tail = template.partition(orjson.dumps(_TEXT_MARK))
 
         def plain_token(choice: Choice, text: str, token_ids: list[int]) -> bytes | None:
             choice.add_tokens(text, token_ids)
@@ -675,10 +675,10 @@ class _ChunkSink:
         )
 
     def tokens(self, text: str, token_ids: list[int]) -> None:
-        self.tokens_sent += len(token_ids)
         data = self._chunk(text, token_ids)
         if data is not None:
             self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self.tokens_sent += len(token_ids)
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -724,7 +724,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield out, message
                     if final:
                         return
-                    if use_sink and hits_recorded and last_token_at is not None and call.fast is None:
+                    # Once this stage's first token went out (a resumed stage's too).
+                    if use_sink and last_token_at is not None and call.fast is None:
                         call.fast = relay_token
             finally:
                 observe_gaps()

@@ -51,7 +51,7 @@ class TextStream:
         # A byte-level tokenizer's table of token bytes, or tokenizers' generic DecodeStream.
         table = tokenizer.token_bytes()
         self._step = table.stream().step if table is not None else self._decode_stream_step
-        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._decoder = DecodeStream(skip_special_tokens=True) if table is None else None
         self.text = ""  # the text of token_ids as decoded so far (all of it once final)
         self._held_from = 0  # token_ids[_held_from:] have given no text from the decoder yet
         self._settled = ""  # of their text, what went out already (the decoder will repeat it)
@@ -98,6 +98,7 @@ class TextStream:
         return self._send(full, end)
 
     def _decode_stream_step(self, ids: list[int]) -> str | None:
+        assert self._decoder is not None
         return self._decoder.step(self.tokenizer.backend, ids)
 
     def _settle(self) -> str:

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models
 from tokenizers.decoders import DecodeStream
 
+from pdserve.engine.model.gguf_tokenizer import byte_alphabet
 from pdserve.engine.model.loader import bundled_model_path, load_tokenizer
 from pdserve.engine.model.token_bytes import TokenBytes
 from pdserve.engine.model.tokenizer import Tokenizer
@@ -76,6 +77,20 @@ def test_an_id_past_the_vocabulary_adds_no_text(tokenizer):
     hello = tokenizer.encode("Hello")
     assert stream.step([len(table.bytes_of) + 5]) is None
     assert stream.step(hello) == "Hello"
+
+
+def test_ids_past_the_token_count_are_in_the_table():
+    """A tokenizer.json may leave gaps in its ids: the table runs to the highest one."""
+    alphabet = byte_alphabet()
+    vocab = {alphabet[b]: b for b in range(256)} | {alphabet[ord(" ")] + "hello": 300}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|end|>"])
+    table = TokenBytes.of(backend)
+    assert table is not None and len(table.bytes_of) > 300
+    assert (
+        table.stream().step([300]) == " hello" == DecodeStream(skip_special_tokens=True).step(backend, [300])
+    )
 
 
 def test_a_tokenizer_without_a_byte_level_decoder_gets_no_table():

@@ -17,9 +17,12 @@ be caught in flight, and two decode engines), since its tests kill and restart p
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
@@ -28,11 +31,13 @@ import pytest
 from pdserve.client import Client
 from pdserve.engine.request import SamplingParams
 from tests.helpers.reliability import (
+    HOST,
     Proc,
     Stream,
     TestCluster,
     engine_prefill,
     engine_stats,
+    free_ports,
     fresh_prompt,
     generate_request,
     router_health,
@@ -53,6 +58,7 @@ class Env:
     decodes: list[Proc]
     router: Proc
     client: Client
+    http_port: int
 
     @property
     def engines(self) -> list[Proc]:
@@ -65,10 +71,16 @@ def env(request, tiny_model_dir):
         prefill = cluster.engine("faults-prefill", "prefill", tcp_fault=SLOW_TRANSFER)
         decodes = [cluster.engine(f"faults-decode-{i}", "decode") for i in range(2)]
         cluster.wait_serving()
-        router = cluster.router("faults-router", [prefill], decodes, args=["--policy", "least_loaded"])
+        (http_port,) = free_ports(1)
+        router = cluster.router(
+            "faults-router",
+            [prefill],
+            decodes,
+            args=["--policy", "least_loaded", "--http-port", str(http_port)],
+        )
         router.wait_serving()
         with Client(router.address) as client:
-            yield Env(prefill, decodes, router, client)
+            yield Env(prefill, decodes, router, client, http_port)
         cluster.failed = request.session.testsfailed > 0
 
 
@@ -175,6 +187,58 @@ def test_decode_core_killed_mid_stream_resumes_on_the_other_decode(ready, tiny_l
     assert (target.finish_reason, target.code) == ("length", None), target.details
     assert target.tokens == _want(tiny_llm, prompt, 200)
     _health_flips(env.client, victim, healthy=False)
+    wait_idle([env.prefill, survivor])
+    victim.restart()
+    _health_flips(env.client, victim, healthy=True)
+    wait_idle(env.engines)
+
+
+def _reader_relayed_tokens(router: Proc) -> float:
+    with urllib.request.urlopen(f"http://{HOST}:{router.metrics_port}/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith('pdserve_router_streamed_tokens_total{path="reader"} '):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_decode_core_killed_mid_http_stream_resumes_with_every_token(ready, tiny_llm, tokenizer):
+    """The same over the OpenAI API's stream, whose tokens the router's session reader writes
+    to the client itself: the resumed stream goes on after the last token the client got, with
+    none repeated or lost."""
+    env = ready
+    prompt = fresh_prompt(tokenizer)
+    relayed = _reader_relayed_tokens(env.router)
+    body = {
+        "prompt": prompt, "max_tokens": 200, "stream": True, "ignore_eos": True, "return_token_ids": True,
+        "temperature": 0.0,
+    }  # fmt: skip
+    connection = http.client.HTTPConnection(HOST, env.http_port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    ids: list[int] = []
+    finish = None
+    killed = False
+    while finish is None:
+        line = response.readline()
+        assert line, "the stream ended without a finish reason"
+        if not line.startswith(b"data: {"):
+            continue
+        (choice,) = json.loads(line.removeprefix(b"data: "))["choices"]
+        assert "error" not in choice, choice
+        ids += choice["token_ids"]
+        finish = choice["finish_reason"]
+        if len(ids) >= 3 and not killed:
+            victim = next(d for d in env.decodes if engine_stats(d.address)["num_running"])
+            for pid in victim.core_pids():
+                os.kill(pid, signal.SIGKILL)
+            killed = True
+    connection.close()
+    assert killed and finish == "length"
+    assert ids == _want(tiny_llm, prompt, 200)
+    assert _reader_relayed_tokens(env.router) > relayed  # the stream went the reader's way
+    _health_flips(env.client, victim, healthy=False)
+    survivor = next(d for d in env.decodes if d is not victim)
     wait_idle([env.prefill, survivor])
     victim.restart()
     _health_flips(env.client, victim, healthy=True)

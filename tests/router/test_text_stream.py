@@ -14,9 +14,23 @@ from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.router.text import MAX_HELD_TOKENS, TextStream
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(bundled_model_path())
+class _GenericDecoding(Tokenizer):
+    """The bundled tokenizer without its table of token bytes: decoded by tokenizers'
+    ``DecodeStream``, as a model with another decoder (SentencePiece's byte fallback) is."""
+
+    def token_bytes(self) -> None:
+        return None
+
+
+@pytest.fixture(scope="module", params=["byte-table", "decode-stream"])
+def tokenizer(request) -> Tokenizer:
+    bundled = Tokenizer.from_gguf(bundled_model_path())
+    if request.param == "byte-table":
+        assert bundled.token_bytes() is not None
+        return bundled
+    return _GenericDecoding(
+        bundled.backend, eos_token_id=bundled.eos_token_id, bos_token_id=bundled.bos_token_id
+    )
 
 
 def _byte_token(tokenizer: Tokenizer, byte: int) -> int | None:

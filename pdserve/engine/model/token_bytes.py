@@ -41,9 +41,11 @@ class TokenBytes:
         byte_of_char = {char: byte for byte, char in byte_alphabet().items()}
         spelled = frozenset(byte_of_char)
         special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
-        bytes_of = [b""] * backend.get_vocab_size(with_added_tokens=True)
-        for token, i in backend.get_vocab(with_added_tokens=True).items():
-            if i in special or i >= len(bytes_of):
+        vocab = backend.get_vocab(with_added_tokens=True)
+        # Past the highest id, not the token count: a tokenizer.json's ids may leave gaps.
+        bytes_of = [b""] * (max(vocab.values(), default=-1) + 1)
+        for token, i in vocab.items():
+            if i in special:
                 continue
             # As tokenizers' ByteLevel decoder: a token spelled in the byte alphabet is its
             # bytes; any other (an added token's raw text) is its own UTF-8.
