@@ -11,30 +11,7 @@ import pytest
 
 from pdserve.router.engine_session import EngineSession
 from pdserve.v1 import engine_pb2
-from tests.helpers.session_stub import SessionStub
-
-
-class _QueuedCall:
-    """A Session call that sends ``responses`` at once, then stays open until cancelled."""
-
-    def __init__(self, responses: list[engine_pb2.SessionResponse]) -> None:
-        self.responses = responses
-        self.sent = asyncio.Event()
-        self.closed = asyncio.Event()
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        await asyncio.sleep(0.01)  # the request goes out first
-        for response in self.responses:
-            yield response
-        self.sent.set()
-        await self.closed.wait()
-
-    def cancel(self) -> bool:
-        self.closed.set()
-        return True
+from tests.helpers.session_stub import ScriptedCall, SessionStub
 
 
 def _output(token: int, finish_reason: str = "") -> engine_pb2.SessionResponse:
@@ -47,7 +24,7 @@ def _output(token: int, finish_reason: str = "") -> engine_pb2.SessionResponse:
 
 async def _relayed_after_cancel(finished: bool) -> tuple[list[int], bool]:
     responses = [_output(t) for t in range(5)] + ([_output(5, "length")] if finished else [])
-    call = _QueuedCall(responses)
+    call = ScriptedCall(responses)
     session = EngineSession(SessionStub(call), "127.0.0.1:1")  # type: ignore[arg-type]
     stream = session.open(engine_pb2.EngineGenerateRequest(request_id="a"), timeout=10)
     relayed: list[int] = []

@@ -11,31 +11,10 @@ import pytest
 
 from pdserve.router.engine_session import EngineSession, rpc_error
 from pdserve.v1 import engine_pb2
-from tests.helpers.session_stub import SessionStub
+from tests.helpers.session_stub import ScriptedCall, SessionStub
 
 
-class _BrokenCall:
-    """A Session call that answers ``responses``, then ends with ``error``."""
-
-    def __init__(self, responses: list[engine_pb2.SessionResponse], error: grpc.aio.AioRpcError) -> None:
-        self.responses, self.error = responses, error
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        await asyncio.sleep(0.01)  # the requests go out first
-        for response in self.responses:
-            yield response
-        raise self.error
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
-
-
-async def _codes(status: grpc.StatusCode) -> tuple[list[grpc.StatusCode], _BrokenCall]:
+async def _codes(status: grpc.StatusCode) -> tuple[list[grpc.StatusCode], ScriptedCall]:
     refusal = engine_pb2.SessionResponse(
         errors=[
             engine_pb2.RequestError(
@@ -43,7 +22,7 @@ async def _codes(status: grpc.StatusCode) -> tuple[list[grpc.StatusCode], _Broke
             )
         ]
     )
-    call = _BrokenCall([refusal], rpc_error(status, "Internal error from Core"))
+    call = ScriptedCall([refusal], error=rpc_error(status, "Internal error from Core"))
     session = EngineSession(SessionStub(call), "127.0.0.1:1")  # type: ignore[arg-type]
     streams = [session.open(engine_pb2.EngineGenerateRequest(request_id=r), timeout=10) for r in ("a", "b")]
     codes = []

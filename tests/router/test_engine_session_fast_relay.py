@@ -12,32 +12,7 @@ import pytest
 
 from pdserve.router.engine_session import EngineSession
 from pdserve.v1 import engine_pb2
-from tests.helpers.session_stub import SessionStub
-
-
-class _PacedCall:
-    """A Session call that sends ``responses`` one by one (``pause``: letting the loop run
-    between them, as frames arriving apart do), then stays open until cancelled."""
-
-    def __init__(self, responses: list[engine_pb2.SessionResponse], pause: bool) -> None:
-        self.responses = responses
-        self.pause = pause
-        self.closed = asyncio.Event()
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        await asyncio.sleep(0.01)  # the requests go out first
-        for response in self.responses:
-            yield response
-            if self.pause:
-                await asyncio.sleep(0)
-        await self.closed.wait()
-
-    def cancel(self) -> bool:
-        self.closed.set()
-        return True
+from tests.helpers.session_stub import ScriptedCall, SessionStub
 
 
 def _step(*outputs: tuple[str, int, str]) -> engine_pb2.SessionResponse:
@@ -53,7 +28,7 @@ async def _relay_in_order(pause: bool) -> tuple[list[tuple[str, int]], int]:
     """20 tokens of one request, the last one finishing it; the reader's relay takes each
     token but every fourth and the last, which it declines (as the request path's does)."""
     responses = [_step(("a", t, "length" if t == 19 else "")) for t in range(20)]
-    call = _PacedCall(responses, pause)
+    call = ScriptedCall(responses, pause=pause)
     session = EngineSession(SessionStub(call), "127.0.0.1:1")  # type: ignore[arg-type]
     stream = session.open(engine_pb2.EngineGenerateRequest(request_id="a"), timeout=10)
     sent: list[tuple[str, int]] = []
@@ -92,7 +67,7 @@ def test_every_token_goes_once_and_in_order_whoever_relays_it(pause):
 
 async def _one_relay_raises() -> tuple[list[int], grpc.StatusCode | None, list[int]]:
     responses = [_step(("a", t, ""), ("b", 100 + t, "length" if t == 9 else "")) for t in range(10)]
-    call = _PacedCall(responses, pause=True)
+    call = ScriptedCall(responses, pause=True)
     session = EngineSession(SessionStub(call), "127.0.0.1:1")  # type: ignore[arg-type]
     a = session.open(engine_pb2.EngineGenerateRequest(request_id="a"), timeout=10)
     b = session.open(engine_pb2.EngineGenerateRequest(request_id="b"), timeout=10)
