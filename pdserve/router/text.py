@@ -20,7 +20,8 @@ the same at any output length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -49,9 +50,12 @@ class TextStream:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         # A byte-level tokenizer's table of token bytes, or tokenizers' generic DecodeStream.
-        table = tokenizer.token_bytes()
-        self._step = table.stream().step if table is not None else self._decode_stream_step
-        self._decoder = DecodeStream(skip_special_tokens=True) if table is None else None
+        table = tokenizer.token_bytes
+        self._step: Callable[[list[int]], str | None] = (
+            table.stream().step
+            if table is not None
+            else functools.partial(DecodeStream(skip_special_tokens=True).step, tokenizer.backend)
+        )
         self.text = ""  # the text of token_ids as decoded so far (all of it once final)
         self._held_from = 0  # token_ids[_held_from:] have given no text from the decoder yet
         self._settled = ""  # of their text, what went out already (the decoder will repeat it)
@@ -96,10 +100,6 @@ class TextStream:
         if self.stop and not final:
             end = max(self.sent, len(full) - self.holdback)
         return self._send(full, end)
-
-    def _decode_stream_step(self, ids: list[int]) -> str | None:
-        assert self._decoder is not None
-        return self._decoder.step(self.tokenizer.backend, ids)
 
     def _settle(self) -> str:
         """The held tokens' text that no later byte can change, less what went out before."""

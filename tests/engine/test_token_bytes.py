@@ -26,7 +26,7 @@ def tokenizer(request, tiny_model_dir) -> Tokenizer:
 
 
 def test_each_token_alone_decodes_as_the_tokenizer_decodes_it(tokenizer):
-    table = tokenizer.token_bytes()
+    table = tokenizer.token_bytes
     assert table is not None
     backend = tokenizer.backend
     size = backend.get_vocab_size(with_added_tokens=True)
@@ -59,7 +59,7 @@ def _ids(tokenizer: Tokenizer, table: TokenBytes, rng: random.Random, n: int) ->
 
 @pytest.mark.parametrize("per_step", [1, 3])
 def test_a_stream_decodes_step_by_step_as_decode_stream(tokenizer, per_step):
-    table = tokenizer.token_bytes()
+    table = tokenizer.token_bytes
     assert table is not None
     rng = random.Random(per_step)
     for _ in range(40):
@@ -71,7 +71,7 @@ def test_a_stream_decodes_step_by_step_as_decode_stream(tokenizer, per_step):
 
 
 def test_an_id_past_the_vocabulary_adds_no_text(tokenizer):
-    table = tokenizer.token_bytes()
+    table = tokenizer.token_bytes
     assert table is not None
     stream = table.stream()
     hello = tokenizer.encode("Hello")
@@ -99,4 +99,4 @@ def test_a_tokenizer_without_a_byte_level_decoder_gets_no_table():
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     assert TokenBytes.of(backend) is None
-    assert Tokenizer(backend).token_bytes() is None
+    assert Tokenizer(backend).token_bytes is None

@@ -6,6 +6,7 @@ character finally follows."""
 from __future__ import annotations
 
 import random
+from functools import cached_property
 
 import pytest
 
@@ -18,6 +19,7 @@ class _GenericDecoding(Tokenizer):
     """The bundled tokenizer without its table of token bytes: decoded by tokenizers'
     ``DecodeStream``, as a model with another decoder (SentencePiece's byte fallback) is."""
 
+    @cached_property
     def token_bytes(self) -> None:
         return None
 
@@ -26,7 +28,7 @@ class _GenericDecoding(Tokenizer):
 def tokenizer(request) -> Tokenizer:
     bundled = Tokenizer.from_gguf(bundled_model_path())
     if request.param == "byte-table":
-        assert bundled.token_bytes() is not None
+        assert bundled.token_bytes is not None
         return bundled
     return _GenericDecoding(
         bundled.backend, eos_token_id=bundled.eos_token_id, bos_token_id=bundled.bos_token_id

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterable
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -70,15 +70,11 @@ class Tokenizer:
         self.chat_template = chat_template
         # The special tokens a chat template sees besides bos_token / eos_token (unk_token, ...).
         self.template_tokens = dict(template_tokens or {})
-        self._token_bytes: TokenBytes | None = None
-        self._token_bytes_built = False
 
+    @cached_property
     def token_bytes(self) -> TokenBytes | None:
-        """Each token's bytes, for a byte-level decoder (built at the first call), else None."""
-        if not self._token_bytes_built:
-            self._token_bytes = TokenBytes.of(self.backend)
-            self._token_bytes_built = True
-        return self._token_bytes
+        """Each token's bytes, for a byte-level decoder (built at first use), else None."""
+        return TokenBytes.of(self.backend)
 
     @property
     def vocab_size(self) -> int:
