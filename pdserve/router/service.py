@@ -473,7 +473,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     )
                 ) as relay:
                     async for response, _ in relay:
-                        output.extend(response.token_ids)
                         yield response
                 return
             except RouterError as exc:
@@ -627,9 +626,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         another reason than handing over (``length`` after its one token): EOS, stop, abort.
         A stop string ends it wherever it matches; the caller then aborts it on the engines.
 
+        Every token relayed is added to ``streamed`` (when given: what a resume starts from).
         With a ``sink`` (a last stage, no stop strings), once the stage's first token went out
-        its plain tokens go to the sink from the session's reader (``_relay_token``), each
-        also added to ``streamed`` (what a resume starts from), as the caller would have.
+        its plain tokens go to the sink from the session's reader (``relay_token``).
         """
         stage_start = time.perf_counter()
         last_token_at: float | None = None
@@ -721,6 +720,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         out.metrics.CopyFrom(_metrics(timings, live.timeline))
                         self.trace.write(live.request_id, out.metrics)
                         self.metrics.requests.labels(finish_reason=finish_reason).inc()
+                    if streamed is not None:
+                        streamed.extend(tokens)
                     yield out, message
                     if final:
                         return
