@@ -32,11 +32,13 @@ cluster, which stops them in order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -256,7 +258,10 @@ class LocalCluster:
         # One random key per cluster authenticates the engines' KV side channel to each other.
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
-        self.stop_requested = threading.Event()  # set from another thread or a signal handler
+        self.stop_requested = threading.Event()  # set by request_stop()
+        self._wake, self._wake_writer = socket.socketpair()  # request_stop() wakes monitor()
+        self._wake.setblocking(False)
+        self._wake_writer.setblocking(False)
         # The engines are one wave and the router the next, so stop() takes the router down first.
         self.supervisor = Supervisor(grace_s=grace_s, progress=self.progress, stop_event=self.stop_requested)
         self._failed = False  # a start-up failure keeps a temp log dir for reading
@@ -454,14 +459,24 @@ class LocalCluster:
         """Raise ClusterError if any child has exited."""
         self.supervisor.check()
 
-    def monitor(self, poll_s: float = 0.5) -> None:
-        """Block until ``stop_requested`` is set (returns) or a child exits (raises ClusterError)."""
-        while not self.stop_requested.wait(poll_s):
+    def request_stop(self) -> None:
+        """Stop ``monitor`` (or a start-up under way): safe from a signal handler or a thread."""
+        self.stop_requested.set()
+        with contextlib.suppress(OSError):  # full (a stop is asked already) or closed (stopped)
+            self._wake_writer.send(b"\0")
+
+    def monitor(self) -> None:
+        """Block until ``request_stop`` (returns) or a child exits (raises ClusterError),
+        asleep in between."""
+        while not self.stop_requested.is_set():
+            self.supervisor.wait_for_exit(self._wake)
             self.check()
 
     def stop(self) -> None:
         """Stop the router, then every engine: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
         self.supervisor.stop()
+        self._wake.close()
+        self._wake_writer.close()
         if self._own_log_dir and self.log_dir and not self._failed:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -595,7 +610,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     def request_stop(signum: int, frame: object) -> None:
-        cluster.stop_requested.set()
+        cluster.request_stop()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     model = args.model or "bundled SmolLM2-135M-Instruct"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -366,6 +367,36 @@ class Supervisor:
             summary = "; ".join(f"{c.name} ({c.address}) {c.describe_exit()}" for c in dead)
             tails = "".join(f"\n--- last lines of {c.log_path}:\n{c.log_tail()}" for c in dead)
             raise SupervisorError(summary + tails)
+
+    def wait_for_exit(self, wake: socket.socket, poll_s: float = 0.5) -> None:
+        """Sleep until a child exits or ``wake`` becomes readable (its bytes are drained).
+
+        Each child's pidfd and ``wake`` sit in one ``select``, so a supervisor with nothing to
+        do never wakes: a check every half second cost ``pdserve cluster`` about 2 ms of CPU a
+        second on a 2-core VM (cold caches), taken from the engine cores. Without pidfds (not
+        Linux), children are polled every ``poll_s``."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(wake, selectors.EVENT_READ)
+            pidfds = []
+            try:
+                for child in self.children:
+                    if child.pid is not None:
+                        pidfds.append(os.pidfd_open(child.pid))
+                        selector.register(pidfds[-1], selectors.EVENT_READ)
+            except (AttributeError, OSError):
+                poll: float | None = poll_s
+            else:
+                poll = None
+            try:
+                while not self.dead():
+                    events = selector.select(poll)
+                    if any(key.fileobj is wake for key, _ in events):
+                        with contextlib.suppress(BlockingIOError):
+                            wake.recv(4096)
+                        return
+            finally:
+                for fd in pidfds:
+                    os.close(fd)
 
     def stop(self) -> None:
         """Stop the waves, last started first, each with its grace period. Idempotent."""

@@ -603,6 +603,32 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _pdserve_command(pid: int) -> str | None:
+    """The pdserve subcommand process ``pid`` runs (``python -m pdserve ... router``), if any."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [part.decode() for part in f.read().split(b"\0")]
+    except OSError:
+        return None
+    if "pdserve" not in argv:
+        return None
+    return next((a for a in argv if a in ("router", "prefill", "decode", "cluster")), None)
+
+
+def _wakeups(pid: int) -> int:
+    """How many times the main thread of ``pid`` has been switched to (its loop's wake-ups)."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+
+
+def _gauge(metrics_url: str, name: str) -> float:
+    """The value of the one sample of ``name`` at a Prometheus endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return float(next(line for line in text.splitlines() if line.startswith(name + "{")).rsplit(" ", 1)[1])
+
+
 def _start_command(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "cluster", *args],
@@ -657,13 +683,32 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
             assert re.search(
                 rf"^{name}\s+\S+\s+127\.0\.0\.1:\d+\s+http://127\.0\.0\.1:\d+/metrics", output, re.M
             ), output
+        decode_metrics = re.search(r"^decode-0\s+\S+\s+\S+\s+(http://\S+/metrics)", output, re.M).group(1)
         with Client(match.group(1)) as client:
             completion = client.generate(
                 prompt="The capital of France is", max_tokens=4, timeout=CALL_TIMEOUT_S
             )
+            # The decode engine's scheduler gauges are read from its core at the scrape: a
+            # stream that has its decode's tokens coming shows as running at once.
+            stream = client.stream(prompt="Once upon a time", max_tokens=1000, ignore_eos=True)
+            for _ in range(3):  # the prefill's token, then the decode engine's
+                next_within(stream, CALL_TIMEOUT_S)
+            running = _gauge(decode_metrics, "pdserve_engine_num_running")
+            stream.close()
         assert len(completion.token_ids) >= 1
+        assert running == 1.0
         family = _descendants(proc.pid)  # engines, their cores, the router
         assert len(family) >= 5, family
+        # Idle, nothing wakes the supervisor, the router or an engine's front: on a small
+        # machine each wake-up of a process with cold caches is CPU taken from the engine cores.
+        loops = [proc.pid, *(p for p in family if _pdserve_command(p) in ("router", "prefill", "decode"))]
+        assert len(loops) == 4, loops
+        time.sleep(1.0)  # the aborted stream's last messages
+        before = {pid: _wakeups(pid) for pid in loops}
+        time.sleep(3.0)
+        woke = {pid: _wakeups(pid) - count for pid, count in before.items() if _wakeups(pid) != count}
+        assert not woke, f"woken while idle (pid: wake-ups in 3 s): {woke}"
+        assert _gauge(decode_metrics, "pdserve_engine_num_running") == 0.0
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -673,6 +718,25 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
         while not all(pid_gone(p) for p in family) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert all(pid_gone(p) for p in family), [p for p in family if not pid_gone(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cluster_command_exits_nonzero_naming_a_child_that_dies_while_serving(tiny_model_dir, tmp_path):
+    proc, lines = _start_command(
+        ["--model", tiny_model_dir, "--engine-args", " ".join(TINY_ENGINE_ARGS), "--log-dir", str(tmp_path)]
+    )
+    try:
+        match, output = _read_until(lines, r"pdserve cluster ready", timeout_s=180)
+        assert match, output
+        router = next(p for p in _descendants(proc.pid) if _pdserve_command(p) == "router")
+        os.kill(router, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        _, output = _read_until(lines, r"all processes stopped", timeout_s=5)
+        assert code == 1, output
+        assert re.search(r"error: router \(\S+\) was killed by SIGKILL", output), output
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -388,6 +388,7 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         self._ready: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
         self.dead = False
+        self.died = asyncio.Event()  # set with ``dead``: a waiter needs no polling
 
     async def start(self, timeout_s: float = 600.0) -> messages.CoreInfo:
         """Wait for the core's READY (model loaded); outputs are routed from then on."""
@@ -454,6 +455,7 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
     def _on_core_death(self) -> None:
         """Fail every open stream and call: the core process exited under us."""
         self.dead = True
+        self.died.set()
         error = self._exit_error()
         logger.error("%s", error)
         for request_id, queue in self._streams.items():
@@ -502,8 +504,8 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         finally:
             self._replies.pop(query.nonce, None)
 
-    async def stats(self) -> SchedulerStats:
-        reply = await self.call(messages.StatsQuery)
+    async def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
+        reply = await self.call(messages.StatsQuery, timeout_s)
         assert isinstance(reply, messages.StatsReply)
         return reply.stats
 

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -42,7 +42,7 @@ from pdserve.engine.cpu_resources import allowed_cpus, parse_cpu_list
 from pdserve.engine.front_session import FrontSession
 from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.output_wire import error_status, response_fields
-from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams, validate_prompt
 from pdserve.engine.session_stream import start_session_server
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -56,6 +56,8 @@ MAX_MESSAGE_BYTES = 16 << 20
 SHUTDOWN_GRACE_S = 5.0
 # SIGTERM waits this long at most for running requests and leases (default lease: 30 s).
 DEFAULT_DRAIN_TIMEOUT_S = 45.0
+# A scrape waits this long for the core's stats (a busy step is tens of milliseconds).
+SCRAPE_TIMEOUT_S = 5.0
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -341,15 +343,24 @@ def _response(
     return engine_pb2.EngineGenerateResponse(**response_fields(output, timeline))
 
 
-async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any, metrics: EngineMetrics) -> None:
-    """Refresh metrics every second; flip health to NOT_SERVING if the core process dies."""
-    while not core.dead and core.proc.poll() is None:
-        with contextlib.suppress(EngineCoreError, asyncio.TimeoutError):
-            metrics.observe_stats(await core.stats())
-        await asyncio.sleep(1.0)
+async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any) -> None:
+    """Flip health to NOT_SERVING when the core process dies (told by the core client, with no
+    wake-up until then)."""
+    await core.died.wait()
     logger.error("engine core is gone: reporting NOT_SERVING")
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def _stats_from(core: AsyncEngineCoreClient, loop: asyncio.AbstractEventLoop) -> Callable[[], SchedulerStats]:
+    """The core's scheduler stats, asked from another thread (a metrics scrape) through the
+    loop that owns the core client."""
+
+    def stats() -> SchedulerStats:
+        asked = asyncio.run_coroutine_threadsafe(core.stats(timeout_s=SCRAPE_TIMEOUT_S), loop)
+        return asked.result(timeout=SCRAPE_TIMEOUT_S + 1.0)  # a loop that does not answer at all
+
+    return stats
 
 
 async def drain(
@@ -419,7 +430,7 @@ async def serve_engine(
         info.weight_bytes / 1e6,
     )
     if metrics_port is not None:
-        metrics.serve(host, metrics_port)
+        metrics.serve(host, metrics_port, _stats_from(core, asyncio.get_running_loop()))
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),  # a port clash must fail loudly, not share the port
@@ -451,7 +462,7 @@ async def serve_engine(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_watch_core(core, health_servicer, metrics))
+    watcher = asyncio.create_task(_watch_core(core, health_servicer))
     await stop.wait()
     stop.clear()  # a second SIGTERM / Ctrl-C cuts the drain short
     if session_server is not None:

@@ -123,6 +123,7 @@ class EnginePool:
         ]
         self.discovery_interval = discovery_interval
         self.kv_events = kv_events  # follows every engine's KV-cache events (None: don't)
+        self._publisher_seen = asyncio.Event()  # an engine has named a KV-event port
         self.resolver = Resolver(dns_server) if any(s.dns for s in self.sources) else None
         self.engines: list[EngineHandle] = []
         self._tasks: list[asyncio.Task] = []
@@ -164,6 +165,8 @@ class EnginePool:
     def _engine_up(self, engine: EngineHandle) -> None:
         if self.kv_events is not None and engine.info is not None:
             info = engine.info
+            if info.kv_events_port > 0:
+                self._publisher_seen.set()
             self.kv_events.engine_up(
                 engine.address, info.instance_id, info.kv_events_port, info.kv_events_replay_port
             )
@@ -299,8 +302,10 @@ class EnginePool:
     async def _poll_kv_publishers(self) -> None:
         """Ask every healthy engine that publishes KV events for its Info once a second, as
         health checks did before the Watch streams: restarted between two looks (a new instance
-        id), its old index entries go, and an event stream that failed starts over."""
+        id), its old index entries go, and an event stream that failed starts over. Until an
+        engine has named an event port, wait without waking (engines do not publish by default)."""
         while True:
+            await self._publisher_seen.wait()
             await asyncio.sleep(HEALTH_INTERVAL_S)
             publishers = [e for e in self.engines if e.healthy and e.publishes_kv_events]
             await asyncio.gather(*(self.check(e) for e in publishers), return_exceptions=True)

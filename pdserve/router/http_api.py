@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.engine.model.tokenizer import NoChatTemplateError
 from pdserve.router.auth import OPEN_HTTP_PATHS, ApiKeys, HttpKeyMiddleware
+from pdserve.router.http_server import EmbeddedServer
 from pdserve.router.openai_protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -152,7 +153,7 @@ class OpenAIServer:
             gated = HttpKeyMiddleware(app, keys, () if protect_metrics else OPEN_HTTP_PATHS)
         # Outermost, so refusals (401) are counted too.
         self.app = _CountRequests(gated, self.metrics)
-        self._server: _EmbeddedServer | None = None
+        self._server: EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ serving
@@ -168,7 +169,7 @@ class OpenAIServer:
             timeout_graceful_shutdown=5,
             **(self.tls.uvicorn_options() if self.tls else {}),
         )
-        self._server = _EmbeddedServer(config)
+        self._server = EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(), name="http-front")
         while not self._server.started:
             if self._task.done():
@@ -679,32 +680,3 @@ class _ChunkSink:
         if data is not None:
             self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         self.tokens_sent += len(token_ids)
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn on a loop it does not own: the router handles SIGTERM/SIGINT and stops it.
-
-    It ticks once a second (the Date header's resolution), not uvicorn's ten times: each tick
-    wakes the router, which costs an idle router about 0.1 ms of CPU here; ``stop()`` wakes it
-    at once."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.stopping = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def main_loop(self) -> None:
-        counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            counter = (counter + 10) % 864000  # on_tick refreshes the Date header at multiples of 10
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), 1.0)
-            should_exit = await self.on_tick(counter)
-
-    def stop(self) -> None:
-        self.should_exit = True
-        self.stopping.set()

@@ -3,12 +3,11 @@ and the KV-event index (its size, events, replays, resyncs, and how well it pred
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from pdserve.metrics_http import serve_wsgi
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Engine-reported prefix hit minus the router's expectation, in blocks (0: exact).
@@ -129,24 +128,7 @@ class RouterMetrics:
         )
 
     def serve(self, host: str, port: int, gate: Callable[[Callable], Callable] | None = None) -> None:
-        """Serve /metrics on ``host:port`` from a thread; ``gate`` wraps the WSGI app (an API key check).
-
-        A gated app is served by this module's own server rather than prometheus_client's, whose
-        app is fixed once its thread serves: no request may reach the ungated app in between.
-        """
-        if gate is None:
-            start_http_server(port, addr=host, registry=self.registry)
-            return
-        server = make_server(
-            host, port, gate(make_wsgi_app(self.registry)), _ThreadingWSGIServer, handler_class=_QuietHandler
-        )
-        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        """No access log on stderr (a scrape every few seconds)."""
+        """Serve /metrics on ``host:port`` from a thread; ``gate`` wraps the WSGI app (an API key
+        check), in place before the first request can come."""
+        app = make_wsgi_app(self.registry)
+        serve_wsgi(host, port, gate(app) if gate is not None else app)

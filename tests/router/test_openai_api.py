@@ -9,6 +9,9 @@ must leave every engine with no KV block in use or held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import email.utils
+import http.client
 import json
 import socket
 import subprocess
@@ -85,6 +88,26 @@ def test_models_list_and_retrieve(sdk):
     assert sdk.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("no-such-model")
+
+
+def test_date_header_is_the_second_of_each_response(cluster):
+    """The Date header is made when a response starts (nothing ticks to refresh it while the
+    router idles): each response carries its own second, on one kept-alive connection too."""
+    base = cluster.http_url.removesuffix("/v1")
+    dates = []
+    connection = http.client.HTTPConnection(base.removeprefix("http://"), timeout=10)
+    with contextlib.closing(connection):
+        for pause in (0.0, 2.2, 0.0):
+            time.sleep(pause)
+            before = time.time()
+            connection.request("GET", "/health")
+            reply = connection.getresponse()
+            reply.read()
+            after = time.time()
+            date = email.utils.parsedate_to_datetime(reply.headers["date"]).timestamp()
+            assert int(before) <= date <= after, (before, reply.headers["date"], after)
+            dates.append(date)
+    assert dates[1] >= dates[0] + 2
 
 
 # ---------------------------------------------------------------------- completions
