@@ -27,13 +27,13 @@ import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.router.discovery import address_host
-from pdserve.session_frames import FrameError, read_frame, write_messages
+from pdserve.session_frames import HEADER_BYTES, MAX_FRAME_BYTES, FrameError, frame
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -136,9 +136,14 @@ class SessionStream:
 
 
 class FramedSessionCall:
-    """A Session call on the engine's framed stream, used as the RPC's call object is: iterate
-    it for the responses, ``cancel()`` it. The stream breaking fails it UNAVAILABLE, as a
-    broken RPC does; an engine not listening gets the RPC instead (``rpc``)."""
+    """A Session call on the engine's framed stream: ``serve(handle)`` hands each response to
+    ``handle`` as it arrives, ``cancel()`` ends it. The stream breaking fails it UNAVAILABLE, as
+    a broken RPC does; an engine not listening gets the RPC instead (``rpc``).
+
+    Frames are cut and parsed in the protocol's ``data_received``, and each response handled
+    there, in the callback of the socket's read event: a ``StreamReader`` woke the reading task
+    for every frame (one more pass of the event loop per engine step, and two awaits of
+    ``readexactly``)."""
 
     def __init__(
         self,
@@ -153,12 +158,9 @@ class FramedSessionCall:
         self._requests = requests
         self._rpc = rpc
         self._rpc_call: Any = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._protocol: _FrameProtocol | None = None
         self._sender: asyncio.Task | None = None
         self._cancelled = False
-
-    def __aiter__(self) -> AsyncIterator[engine_pb2.SessionResponse]:
-        return self._responses()
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -166,13 +168,17 @@ class FramedSessionCall:
             self._rpc_call.cancel()
         if self._sender is not None:
             self._sender.cancel()
-        if self._writer is not None:
-            self._writer.close()
+        if self._protocol is not None:
+            self._protocol.close()
 
-    async def _responses(self) -> AsyncIterator[engine_pb2.SessionResponse]:
+    async def serve(self, handle: Callable[[engine_pb2.SessionResponse], None]) -> None:
+        """Hand every response to ``handle`` until the engine ends the stream (returns) or it
+        breaks (``AioRpcError`` UNAVAILABLE); what ``handle`` raises ends the call and is raised."""
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), STREAM_CONNECT_TIMEOUT_S
+            _, protocol = await asyncio.wait_for(
+                loop.create_connection(lambda: _FrameProtocol(handle), self.host, self.port),
+                STREAM_CONNECT_TIMEOUT_S,
             )
         except (OSError, TimeoutError) as exc:
             logger.warning(
@@ -185,15 +191,14 @@ class FramedSessionCall:
             if self._cancelled:
                 self._rpc_call.cancel()
             async for response in self._rpc_call:
-                yield response
+                handle(response)
             return
-        self._writer = writer
-        self._sender = asyncio.create_task(self._send(writer), name=f"session-send-{self.address}")
+        self._protocol = protocol
+        self._sender = asyncio.create_task(self._send(protocol), name=f"session-send-{self.address}")
         try:
             if self._cancelled:
                 raise asyncio.CancelledError()
-            while (payload := await read_frame(reader)) is not None:
-                yield engine_pb2.SessionResponse.FromString(payload)
+            await protocol.ended
         except (OSError, asyncio.IncompleteReadError, FrameError, DecodeError) as exc:
             raise rpc_error(
                 grpc.StatusCode.UNAVAILABLE, f"engine {self.address}: its Session stream broke ({exc!r})"
@@ -201,9 +206,83 @@ class FramedSessionCall:
         finally:
             self.cancel()
 
-    async def _send(self, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):  # a broken stream: the reader fails the session
-            await write_messages(writer, self._requests)
+    async def _send(self, protocol: _FrameProtocol) -> None:
+        async for message in self._requests:
+            if not await protocol.write(frame(message.SerializeToString())):
+                return  # a broken stream: the reader fails the session
+
+
+class _FrameProtocol(asyncio.Protocol):
+    """The router's end of a framed Session connection: responses in, requests out."""
+
+    def __init__(self, handle: Callable[[engine_pb2.SessionResponse], None]) -> None:
+        self.handle = handle
+        self.buffer = bytearray()
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Read here if the call was cancelled before awaiting it (no "never retrieved" warning).
+        self.ended.add_done_callback(lambda ended: ended.cancelled() or ended.exception())
+        self.transport: asyncio.Transport | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        start = 0
+        try:
+            while len(buffer) - start >= HEADER_BYTES:
+                length = int.from_bytes(buffer[start : start + HEADER_BYTES], "big")
+                if length > MAX_FRAME_BYTES:
+                    raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+                end = start + HEADER_BYTES + length
+                if len(buffer) < end:
+                    break
+                response = engine_pb2.SessionResponse.FromString(bytes(buffer[start + HEADER_BYTES : end]))
+                start = end
+                self.handle(response)
+        except Exception as exc:  # a bad frame, or what the handler raised: the call ends
+            self.buffer = bytearray()
+            self._end(exc)
+            self.close()
+            return
+        del buffer[:start]
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself: connection_lost() follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._writable.set()  # a waiting writer sees the transport closed
+        if exc is None and self.buffer:
+            exc = asyncio.IncompleteReadError(bytes(self.buffer), None)
+        self._end(exc)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    async def write(self, data: bytes) -> bool:
+        """Send ``data``, then wait while the kernel's buffer is full; False once closed."""
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self.transport.write(data)
+        await self._writable.wait()
+        return not self.transport.is_closing()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _end(self, exc: BaseException | None) -> None:
+        if not self.ended.done():
+            if exc is None:
+                self.ended.set_result(None)
+            else:
+                self.ended.set_exception(exc)
 
 
 class _SessionCall:
@@ -247,32 +326,40 @@ class _SessionCall:
             self.aborting[request_id] += 1
             self.outbox.put_nowait(engine_pb2.SessionRequest(abort_request_id=request_id))
 
+    def _handle(self, response: engine_pb2.SessionResponse) -> None:
+        """One message of the engine's: each output to its request's stream, aborts answered,
+        refusals raised in their requests."""
+        for request_id in response.aborted:
+            self.aborting[request_id] -= 1
+            if self.aborting[request_id] <= 0:
+                del self.aborting[request_id]
+        for output in response.outputs:
+            if output.request_id in self.aborting:
+                continue  # of a request aborted meanwhile
+            stream = self.streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finish_reason:
+                del self.streams[output.request_id]
+                stream.finish()
+            stream.deliver(output)
+        for failure in response.errors:
+            if failure.request_id in self.aborting:
+                continue
+            stream = self.streams.pop(failure.request_id, None)
+            if stream is not None:
+                stream.finish()
+                code = _STATUS_BY_VALUE.get(failure.code, grpc.StatusCode.UNKNOWN)
+                stream.queue.put_nowait(rpc_error(code, failure.message))
+
     async def _read(self) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"engine {self.address} ended the session")
         try:
-            async for response in self.call:
-                for request_id in response.aborted:
-                    self.aborting[request_id] -= 1
-                    if self.aborting[request_id] <= 0:
-                        del self.aborting[request_id]
-                for output in response.outputs:
-                    if output.request_id in self.aborting:
-                        continue  # of a request aborted meanwhile
-                    stream = self.streams.get(output.request_id)
-                    if stream is None:
-                        continue
-                    if output.finish_reason:
-                        del self.streams[output.request_id]
-                        stream.finish()
-                    stream.deliver(output)
-                for failure in response.errors:
-                    if failure.request_id in self.aborting:
-                        continue
-                    stream = self.streams.pop(failure.request_id, None)
-                    if stream is not None:
-                        stream.finish()
-                        code = _STATUS_BY_VALUE.get(failure.code, grpc.StatusCode.UNKNOWN)
-                        stream.queue.put_nowait(rpc_error(code, failure.message))
+            if isinstance(self.call, FramedSessionCall):
+                await self.call.serve(self._handle)
+            else:
+                async for response in self.call:
+                    self._handle(response)
         except grpc.aio.AioRpcError as exc:
             error = exc
             if exc.code() in _SESSION_BROKEN:

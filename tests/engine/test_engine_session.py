@@ -388,7 +388,9 @@ def test_the_router_falls_back_to_the_rpc_where_the_framed_port_does_not_answer(
 
     async def run() -> list[engine_pb2.SessionResponse]:
         call = FramedSessionCall(f"127.0.0.1:{closed_port}", closed_port, requests(), Rpc)
-        return [response async for response in call]
+        responses: list[engine_pb2.SessionResponse] = []
+        await call.serve(responses.append)
+        return responses
 
     responses = asyncio.run(run())
     assert [list(r.aborted) for r in responses] == [["a"], ["b"]]
