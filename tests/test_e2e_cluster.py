@@ -724,6 +724,19 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
             proc.wait()
 
 
+def _failed_output(proc: subprocess.Popen, lines: queue.Queue, timeout_s: float) -> str:
+    """What the command printed, once it exited with code 1 (asserted) and stopped the rest."""
+    try:
+        code = proc.wait(timeout=timeout_s)
+        _, output = _read_until(lines, r"all processes stopped", timeout_s=5)
+        assert code == 1, output
+        return output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_cluster_command_exits_nonzero_naming_a_child_that_dies_while_serving(tiny_model_dir, tmp_path):
     proc, lines = _start_command(
         ["--model", tiny_model_dir, "--engine-args", " ".join(TINY_ENGINE_ARGS), "--log-dir", str(tmp_path)]
@@ -733,24 +746,15 @@ def test_cluster_command_exits_nonzero_naming_a_child_that_dies_while_serving(ti
         assert match, output
         router = next(p for p in _descendants(proc.pid) if _pdserve_command(p) == "router")
         os.kill(router, signal.SIGKILL)
-        code = proc.wait(timeout=60)
-        _, output = _read_until(lines, r"all processes stopped", timeout_s=5)
-        assert code == 1, output
-        assert re.search(r"error: router \(\S+\) was killed by SIGKILL", output), output
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    output = _failed_output(proc, lines, timeout_s=60)
+    assert re.search(r"error: router \(\S+\) was killed by SIGKILL", output), output
 
 
 def test_cluster_command_exits_nonzero_naming_the_engine_that_failed(tmp_path):
     proc, lines = _start_command(["--model", str(tmp_path / "no-such-model"), "--log-dir", str(tmp_path)])
-    try:
-        code = proc.wait(timeout=120)
-        _, output = _read_until(lines, r"all processes stopped", timeout_s=5)
-        assert code == 1, output
-        assert re.search(r"error: (prefill|decode)-0 exited with code \d+ during start-up", output), output
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    output = _failed_output(proc, lines, timeout_s=120)
+    assert re.search(r"error: (prefill|decode)-0 exited with code \d+ during start-up", output), output
