@@ -29,10 +29,11 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve_wsgi(host: str, port: int, app: WsgiApp, name: str = "metrics-http") -> WSGIServer:
-    """Serve ``app`` on ``host:port`` (IPv4 or IPv6, as the address resolves) from a daemon
-    thread; returns the bound server (its port when ``port`` is 0)."""
+    """Serve ``app`` on ``host:port`` (IPv4 or IPv6, as the address resolves; "" is every IPv4
+    address) from a daemon thread, for the life of the process; returns the bound server (its
+    port when ``port`` is 0). Not to be ``shutdown()``: its thread never looks."""
     family, _, _, _, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     server_class = type("MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
     server: WSGIServer = make_server(str(sockaddr[0]), port, app, server_class, handler_class=_QuietHandler)

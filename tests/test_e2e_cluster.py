@@ -671,7 +671,7 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
             "--model", tiny_model_dir,
             "--port", str(port),
             "--kv-transport", "tcp",
-            "--engine-args", " ".join(TINY_ENGINE_ARGS),
+            "--engine-args", " ".join(LONG_ANSWER_ENGINE_ARGS),  # a stream that decodes ~3 s
             "--log-dir", str(tmp_path),
         ]
     )  # fmt: skip
@@ -690,7 +690,9 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
             )
             # The decode engine's scheduler gauges are read from its core at the scrape: a
             # stream that has its decode's tokens coming shows as running at once.
-            stream = client.stream(prompt="Once upon a time", max_tokens=1000, ignore_eos=True)
+            stream = client.stream(
+                prompt="Once upon a time", max_tokens=LONG_ANSWER_MAX_MODEL_LEN - 16, ignore_eos=True
+            )
             for _ in range(3):  # the prefill's token, then the decode engine's
                 next_within(stream, CALL_TIMEOUT_S)
             running = _gauge(decode_metrics, "pdserve_engine_num_running")

@@ -8,6 +8,7 @@ a second on a 2-core VM, taken from the engine cores whether anyone looked or no
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -71,19 +72,27 @@ class EngineMetrics:
         self.loads_failed.set(connector.get("num_loads_failed", 0))
         self.leases_expired.set(connector.get("num_leases_expired", 0))
 
-    def serve(self, host: str, port: int, stats: Callable[[], SchedulerStats] | None = None) -> None:
-        """Serve /metrics on ``host:port`` from a thread. ``stats``: the core's scheduler stats,
-        asked from that thread at each scrape (a failure leaves the last values and says why)."""
+    def serve(self, host: str, port: int, stats: Callable[[], SchedulerStats | None] | None = None) -> None:
+        """Serve /metrics on ``host:port`` from a thread. ``stats``: the core's scheduler stats
+        (None: no core to ask), asked at each scrape, one scrape at a time (one snapshot per
+        answer); a failure leaves the last values and says why."""
         metrics_app = make_wsgi_app(self.registry)
+        one_scrape = threading.Lock()
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-            if stats is not None:
+            if stats is None or environ.get("PATH_INFO") == "/favicon.ico":
+                return metrics_app(environ, start_response)
+            with one_scrape:
                 try:
-                    self.observe_stats(stats())
-                except Exception as exc:  # a dead or stuck core: the scrape still answers
+                    current = stats()
+                except Exception as exc:  # a stuck core: the scrape still answers
                     logger.warning(
-                        "metrics scrape: no scheduler stats from the core (%s)", exc or type(exc).__name__
+                        "metrics scrape: no scheduler stats from the core (%s)",
+                        str(exc) or type(exc).__name__,
                     )
-            return metrics_app(environ, start_response)
+                else:
+                    if current is not None:
+                        self.observe_stats(current)
+                return metrics_app(environ, start_response)
 
         serve_wsgi(host, port, app)

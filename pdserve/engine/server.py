@@ -352,12 +352,21 @@ async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any) -> None
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def _stats_from(core: AsyncEngineCoreClient, loop: asyncio.AbstractEventLoop) -> Callable[[], SchedulerStats]:
+def _stats_from(
+    core: AsyncEngineCoreClient, loop: asyncio.AbstractEventLoop
+) -> Callable[[], SchedulerStats | None]:
     """The core's scheduler stats, asked from another thread (a metrics scrape) through the
-    loop that owns the core client."""
+    loop that owns the core client; None once the core is gone or the loop has closed."""
 
-    def stats() -> SchedulerStats:
-        asked = asyncio.run_coroutine_threadsafe(core.stats(timeout_s=SCRAPE_TIMEOUT_S), loop)
+    def stats() -> SchedulerStats | None:
+        if core.dead or loop.is_closed():
+            return None
+        asking = core.stats(timeout_s=SCRAPE_TIMEOUT_S)
+        try:
+            asked = asyncio.run_coroutine_threadsafe(asking, loop)
+        except RuntimeError:  # the loop closed meanwhile
+            asking.close()
+            return None
         return asked.result(timeout=SCRAPE_TIMEOUT_S + 1.0)  # a loop that does not answer at all
 
     return stats

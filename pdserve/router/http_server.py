@@ -21,7 +21,7 @@ from uvicorn.server import ServerState
 
 class _DatedServerState(ServerState):
     """uvicorn's state shared by its connections, whose default headers carry a ``Date`` made
-    on demand, for the second a response starts in."""
+    on demand: the second a request's headers were read in (uvicorn reads them then)."""
 
     def __init__(self, date_header: bool, encoded_headers: list[tuple[bytes, bytes]]) -> None:
         self._date_header = date_header
