@@ -28,16 +28,14 @@ class _QuietHandler(WSGIRequestHandler):
         """No access log on stderr (a scrape every few seconds)."""
 
 
-def serve_wsgi(host: str, port: int, app: WsgiApp, name: str = "metrics-http") -> WSGIServer:
+def serve_wsgi(host: str, port: int, app: WsgiApp) -> None:
     """Serve ``app`` on ``host:port`` (IPv4 or IPv6, as the address resolves; "" is every IPv4
-    address) from a daemon thread, for the life of the process; returns the bound server (its
-    port when ``port`` is 0). Not to be ``shutdown()``: its thread never looks."""
+    address) from a daemon thread, for the life of the process (nothing shuts it down: its
+    thread never looks)."""
     family, _, _, _, sockaddr = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     server_class = type("MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
     server: WSGIServer = make_server(str(sockaddr[0]), port, app, server_class, handler_class=_QuietHandler)
     # poll_interval None: select() blocks until a connection (the interval only serves shutdown()).
-    thread = threading.Thread(target=server.serve_forever, args=(None,), name=name, daemon=True)
-    thread.start()
-    return server
+    threading.Thread(target=server.serve_forever, args=(None,), name="metrics-http", daemon=True).start()

@@ -30,6 +30,14 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(HEADER_BYTES, "big") + payload
 
 
+def payload_length(header: bytes | bytearray) -> int:
+    """The payload length a frame's ``HEADER_BYTES`` header gives; FrameError past the limit."""
+    length = int.from_bytes(header, "big")
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+    return length
+
+
 async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
     """The next frame's payload; None at a clean end of the stream (the peer closed it between
     two frames). A stream cut inside a frame raises ``asyncio.IncompleteReadError``."""
@@ -39,10 +47,7 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
         if exc.partial:
             raise
         return None
-    length = int.from_bytes(header, "big")
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
-    return await reader.readexactly(length)
+    return await reader.readexactly(payload_length(header))
 
 
 async def write_messages(writer: asyncio.StreamWriter, messages: AsyncIterable[Message]) -> None:

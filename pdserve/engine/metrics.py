@@ -72,7 +72,7 @@ class EngineMetrics:
         self.loads_failed.set(connector.get("num_loads_failed", 0))
         self.leases_expired.set(connector.get("num_leases_expired", 0))
 
-    def serve(self, host: str, port: int, stats: Callable[[], SchedulerStats | None] | None = None) -> None:
+    def serve(self, host: str, port: int, stats: Callable[[], SchedulerStats | None]) -> None:
         """Serve /metrics on ``host:port`` from a thread. ``stats``: the core's scheduler stats
         (None: no core to ask), asked at each scrape, one scrape at a time (one snapshot per
         answer); a failure leaves the last values and says why."""
@@ -80,7 +80,7 @@ class EngineMetrics:
         one_scrape = threading.Lock()
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-            if stats is None or environ.get("PATH_INFO") == "/favicon.ico":
+            if environ.get("PATH_INFO") == "/favicon.ico":
                 return metrics_app(environ, start_response)
             with one_scrape:
                 try:

@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.router.discovery import address_host
-from pdserve.session_frames import HEADER_BYTES, MAX_FRAME_BYTES, FrameError, frame
+from pdserve.session_frames import HEADER_BYTES, FrameError, frame, payload_length
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -234,10 +234,7 @@ class _FrameProtocol(asyncio.Protocol):
         start = 0
         try:
             while len(buffer) - start >= HEADER_BYTES:
-                length = int.from_bytes(buffer[start : start + HEADER_BYTES], "big")
-                if length > MAX_FRAME_BYTES:
-                    raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
-                end = start + HEADER_BYTES + length
+                end = start + HEADER_BYTES + payload_length(buffer[start : start + HEADER_BYTES])
                 if len(buffer) < end:
                     break
                 response = engine_pb2.SessionResponse.FromString(bytes(buffer[start + HEADER_BYTES : end]))
