@@ -420,6 +420,10 @@ class UcxTransport(KVTransport):
         self._serves = still
 
     def _drop_client(self, client: int) -> None:
+        # A reader that reconnects (new hello) may do so in the same progress round that
+        # completed its last sends: report those before its serves are forgotten, or the
+        # prefill side holds their blocks until the lease expires.
+        self._check_serves()
         endpoint = self._clients.pop(client, None)
         self._client_readers.pop(client, None)
         if endpoint is not None:
