@@ -629,6 +629,17 @@ def _gauge(metrics_url: str, name: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(name + "{")).rsplit(" ", 1)[1])
 
 
+def _finished(metrics_url: str) -> dict[str, float]:
+    """``pdserve_engine_requests_finished_total`` by finish reason at a Prometheus endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        re.search(r'finish_reason="([^"]*)"', line).group(1): float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_engine_requests_finished_total{")
+    }
+
+
 def _start_command(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "cluster", *args],
@@ -696,9 +707,14 @@ def test_cluster_command_serves_then_stops_everything_on_sigterm(tiny_model_dir,
             for _ in range(3):  # the prefill's token, then the decode engine's
                 next_within(stream, CALL_TIMEOUT_S)
             running = _gauge(decode_metrics, "pdserve_engine_num_running")
+            finished = _finished(decode_metrics)
             stream.close()
         assert len(completion.token_ids) >= 1
         assert running == 1.0
+        # The engine's core counts what it served (the front is not on a framed session's
+        # request path): the completion (a short prompt: decode only) and its tokens.
+        assert finished == {completion.finish_reason: 1.0}
+        assert _gauge(decode_metrics, "pdserve_engine_generated_tokens_total") >= len(completion.token_ids)
         family = _descendants(proc.pid)  # engines, their cores, the router
         assert len(family) >= 5, family
         # Idle, nothing wakes the supervisor, the router or an engine's front: on a small

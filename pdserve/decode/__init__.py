@@ -11,9 +11,10 @@ Life cycle of a disaggregated request on a decode engine:
 1. After prefill's answer, the router sends ``Engine.Generate`` with the prompt + first token,
    ``num_prior_output_tokens=1`` and prefill's ``kv_transfer_params``
    (``RouterServicer._run()`` in ``pdserve/router/service.py``).
-2. The front (``EngineServicer.Generate()``) records ``front_received`` and forwards the request
-   to the engine core (``MPClient.add_request()`` in ``pdserve/engine/core_client.py``), which
-   queues it with ``Scheduler.add_request()`` (event ``received``).
+2. The engine core reads it from the router's framed session (``CoreSessions.read()`` in
+   ``pdserve/engine/core_sessions.py``; on a ``Generate`` call the front,
+   ``EngineServicer.Generate()``, forwards it with ``MPClient.add_request()``), records
+   ``front_received`` and queues it with ``Scheduler.add_request()`` (event ``received``).
 3. Admission: the request gets its blocks and its pull starts without waiting for a step
    boundary.
    - *Mid-step.* If a step is running, ``EngineCore.run_busy_loop()`` (``pdserve/engine/core.py``)

@@ -34,9 +34,9 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
-from pdserve.engine.core_sessions import send_session_socket
 from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.session_stream import hand_over
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,8 @@ class MPClient(Generic[_Sent]):
         sampling_params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         priority: int = 0,
-        session: int = 0,
-        front_events: dict[str, float] | None = None,
     ) -> _Sent:
-        """Start a request; ``session`` (from ``open_session``): the core writes its outputs
-        there, with ``front_events`` in the first one, and sends the front only its last."""
+        """Start a request; its outputs come to this client."""
         return self._send(
             messages.AddRequest(
                 request_id=request_id,
@@ -134,32 +131,23 @@ class MPClient(Generic[_Sent]):
                 kv_transfer_params=kv_transfer_params,
                 priority=priority,
                 arrival_time=time.time(),
-                session=session,
-                front_events=front_events,
             )
         )
 
-    def abort(self, request_ids: list[str], session: int = 0) -> _Sent:
-        """Abort in the core; ``session``: the core acknowledges each id on it when answered."""
-        return self._send(messages.Abort(list(request_ids), session=session))
+    def abort(self, request_ids: list[str]) -> _Sent:
+        return self._send(messages.Abort(list(request_ids)))
 
     def open_session(self, connection: socket.socket) -> int:
-        """Hand a framed session's socket to the core (which then writes the outputs of the
-        requests started with the number returned); the front keeps reading it."""
+        """Hand a router's framed session to the core, which reads and writes it from then on
+        (``core_sessions``); the caller closes its own copy of ``connection``."""
         session = next(self._sessions)
-        send_session_socket(self.session_channel, session, connection)
+        hand_over(self.session_channel, session, connection)
         return session
 
-    def refuse_in_session(self, session: int, errors: list[tuple[str, int, str]]) -> _Sent:
-        """Have the core write the front's refusals (request id, status code, message) to ``session``."""
-        return self._send(
-            messages.SessionErrors(
-                session, [e[0] for e in errors], [e[1] for e in errors], [e[2] for e in errors]
-            )
-        )
-
-    def close_session(self, session: int) -> _Sent:
-        return self._send(messages.CloseSession(session))
+    def start_draining(self, message: str) -> _Sent:
+        """Have the core refuse its framed sessions' new requests (UNAVAILABLE, ``message``)
+        and close each session once nothing of it runs."""
+        return self._send(messages.Drain(message))
 
     def _query(self, query_type: type[messages.Query]) -> messages.Query:
         """A query the core answers with a reply carrying the same nonce."""
@@ -481,21 +469,35 @@ class AsyncEngineCoreClient(MPClient[Coroutine[Any, Any, None]]):
         self._streams.pop(request_id, None)
         self._stream_numbers.pop(request_id, None)
 
-    def abort(self, request_ids: list[str], session: int = 0) -> Coroutine[Any, Any, None]:
+    def abort(self, request_ids: list[str]) -> Coroutine[Any, Any, None]:
         """Abort in the core. Until the core answers, outputs of an id whose stream was closed
         (or reopened by a new request reusing the id) belong to the request aborted, and are
         dropped: the new request gets only its own."""
+        self._track_aborts(request_ids)
+        return super().abort(request_ids)
+
+    async def abort_taken(self, request_ids: list[str], timeout_s: float = 10.0) -> None:
+        """``abort``, returning once the core has taken it in: a request the caller's client
+        sends afterwards on a framed session (which the core reads itself, not through this
+        client, so in no order with it) cannot be the one this aborts."""
+        self._track_aborts(request_ids)
+        await self._ask(
+            messages.AbortTaken(nonce=next(self._nonces), request_ids=list(request_ids)), timeout_s
+        )
+
+    def _track_aborts(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._aborts_in_flight.setdefault(request_id, collections.deque()).append(
                 self._stream_numbers.get(request_id)
             )
-        return super().abort(request_ids, session)
 
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
 
     async def call(self, query_type: type[messages.Query], timeout_s: float = 10.0) -> messages.Reply:
-        query = self._query(query_type)
+        return await self._ask(self._query(query_type), timeout_s)
+
+    async def _ask(self, query: messages.Query | messages.AbortTaken, timeout_s: float) -> messages.Reply:
         future: asyncio.Future[messages.Reply] = asyncio.get_running_loop().create_future()
         self._replies[query.nonce] = future
         try:

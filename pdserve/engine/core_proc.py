@@ -8,6 +8,7 @@ so a killed front never leaves a core holding memory.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import signal
@@ -48,8 +49,8 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 
 
 class CoreServer:
-    """Translates ZMQ messages to EngineCore calls and outputs back to messages; the outputs
-    of requests on a framed session go to the session itself (``CoreSessions``)."""
+    """Translates ZMQ messages to EngineCore calls and outputs back to messages; routers'
+    framed sessions are read and written here (``CoreSessions``)."""
 
     def __init__(
         self,
@@ -70,7 +71,8 @@ class CoreServer:
         self.sessions = CoreSessions(session_channel) if session_channel is not None else None
         if self.sessions is not None:
             self.poller.register(self.sessions.channel.fileno(), zmq.POLLIN)
-        self._polled_for_writing: set[int] = set()
+        self._polled: dict[int, int] = {}  # {session fd: the poll flags it is registered with}
+        self.counts = OutputCounts()
         # Taken when the process started, not after the model loaded: a front that died during
         # the load has already handed this process to init, whose pid must not pass for it.
         self.parent_pid = parent_pid
@@ -80,6 +82,7 @@ class CoreServer:
         self.outputs.send(messages.encode(message))
 
     def emit(self, outputs: list[EngineCoreOutput]) -> None:
+        self.counts.add(outputs)
         if self.sessions is not None:
             outputs = self.sessions.route(outputs)
             self.sessions.flush_messages()
@@ -92,20 +95,27 @@ class CoreServer:
             self.stopping = True
             return []
         items: list[Any] = []
+        sessions = self.sessions
+        if sessions is not None:
+            items.extend(sessions.take_lost())
         wait_ms = None if timeout is None else int(timeout * 1000)
         while True:
-            self._poll_for_writing()
+            self._update_poll()
             events = dict(self.poller.poll(wait_ms))
             if not events:
                 return items
             wait_ms = 0
-            if self.sessions is not None:
-                if self.sessions.channel.fileno() in events and not self.sessions.accept():
+            if sessions is not None:
+                if sessions.channel.fileno() in events and not sessions.accept():
                     logger.warning("front process is gone (its session channel closed); shutting down")
                     self.stopping = True
                     return items
-                if not self._polled_for_writing.isdisjoint(events):
-                    self.sessions.flush_pending()  # a router took some of what it was behind on
+                for fd in self._polled.keys() & events.keys():
+                    if events[fd] & zmq.POLLOUT:
+                        sessions.flush_pending()  # a router took some of what it was behind on
+                    if events[fd] & (zmq.POLLIN | zmq.POLLERR):
+                        items.extend(sessions.read(fd))
+                items.extend(sessions.take_lost())
             if self.inputs not in events:
                 continue
             try:
@@ -116,24 +126,25 @@ class CoreServer:
             if item is not None:
                 items.append(item)
 
-    def _poll_for_writing(self) -> None:
-        """Wake up for the sessions' sockets that have bytes waiting to go, and only for those."""
+    def _update_poll(self) -> None:
+        """Wake up for every session's input, and for its socket's room while bytes wait to go."""
         if self.sessions is None:
             return
-        waiting = set(self.sessions.waiting_to_write())
-        if waiting == self._polled_for_writing:
+        wanted: dict[int, int] = dict.fromkeys(self.sessions.readable(), int(zmq.POLLIN))
+        for fd in self.sessions.waiting_to_write():
+            wanted[fd] = int(zmq.POLLIN | zmq.POLLOUT)
+        if wanted == self._polled:
             return
-        for fd in self._polled_for_writing - waiting:
+        for fd in self._polled.keys() - wanted.keys():
             self.poller.unregister(fd)
-        for fd in waiting - self._polled_for_writing:
-            self.poller.register(fd, zmq.POLLOUT)
-        self._polled_for_writing = waiting
+        for fd, flags in wanted.items():
+            if self._polled.get(fd) != flags:
+                self.poller.register(fd, flags)  # registering again changes the flags
+        self._polled = wanted
 
     def _translate(self, message: messages.FrontMessage) -> EngineCoreRequest | AbortRequests | None:
         """The loop's input for a request or an abort; queries are answered here (None)."""
         if isinstance(message, messages.AddRequest):
-            if message.session and self.sessions is not None:
-                self.sessions.bind(message.request_id, message.session, message.front_events)
             return EngineCoreRequest(
                 request_id=message.request_id,
                 prompt_token_ids=message.prompt_token_ids,
@@ -143,17 +154,18 @@ class CoreServer:
                 kv_transfer_params=message.kv_transfer_params,
             )
         if isinstance(message, messages.Abort):
-            if message.session and self.sessions is not None:
-                self.sessions.expect_abort(message.request_ids, message.session)
             return AbortRequests(message.request_ids)
-        if isinstance(message, messages.SessionErrors):
+        if isinstance(message, messages.AbortTaken):
+            self.send(messages.AbortTakenReply(nonce=message.nonce))
+            return AbortRequests(message.request_ids)
+        if isinstance(message, messages.Drain):
             if self.sessions is not None:
-                self.sessions.refuse(message.session, message.request_ids, message.codes, message.messages)
-        elif isinstance(message, messages.CloseSession):
-            if self.sessions is not None:
-                self.sessions.close(message.session)
+                self.sessions.start_draining(message.message)
         elif isinstance(message, messages.StatsQuery):
-            self.send(messages.StatsReply(nonce=message.nonce, stats=self.core.stats()))
+            stats = self.core.stats()
+            stats.num_generated_tokens = self.counts.tokens
+            stats.num_finished = dict(self.counts.finished)
+            self.send(messages.StatsReply(nonce=message.nonce, stats=stats))
         elif isinstance(message, messages.ResetPrefixCache):
             ok = self.core.scheduler.reset_prefix_cache()
             self.send(messages.ResetPrefixCacheReply(nonce=message.nonce, ok=ok))
@@ -171,6 +183,23 @@ class CoreServer:
         self.inputs.close(linger=0)
         self.outputs.close(linger=1000)
         self.ctx.term()
+
+
+class OutputCounts:
+    """Tokens generated and requests finished by reason, every request of the engine counted
+    here once (the front's metrics read them at a scrape): the core sees every output, the
+    front only those of requests it started."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.finished: collections.Counter[str] = collections.Counter()
+
+    def add(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            self.tokens += len(output.new_token_ids)
+            # An error is not a finish (a refused request, a failed step: the status says why).
+            if output.finish_reason is not None and output.finish_reason != "error":
+                self.finished[output.finish_reason] += 1
 
 
 SWITCH_INTERVAL_S = 0.0005

@@ -8,8 +8,8 @@ loop, with no await between them) leave as one ``SessionResponse``. vLLM's engin
 its outputs to the API server the same way (one msgpack message per step over ZMQ).
 
 The session only collects; ``EngineServicer.Session`` validates, starts and aborts requests
-and writes the batches. On a framed stream the core writes them itself (``core_sessions``), and
-a session collects only each request's end and the front's own refusals.
+and writes the batches. (A framed stream carries the same messages without the front: the core
+serves it, ``core_sessions``.)
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ class FrontSession:
         self.errors: list[engine_pb2.RequestError] = []
         self.aborted: list[str] = []  # ids whose abort was taken, for the next message
         self.wake = asyncio.Event()
-        # The core's number for this session when the core writes its outputs itself (a
-        # framed stream, ``core_sessions``): only each request's last output comes here then.
-        self.core_session = 0
 
     def add(self, request_id: str) -> None:
         self.requests[request_id] = {"front_received": time.time()}

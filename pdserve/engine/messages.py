@@ -36,11 +36,6 @@ class AddRequest:
     kv_transfer_params: dict[str, Any] | None
     priority: int
     arrival_time: float
-    # The framed session (``CoreSessions``) the core writes the request's outputs to; 0: none,
-    # they all go to the front.
-    session: int = 0
-    # The front's life-cycle events of the request ({event: unix time}), for its first output.
-    front_events: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,31 +43,16 @@ class Abort:
     TYPE: ClassVar[str] = "abort"
 
     request_ids: list[str]
-    # The framed session that asked: each id's answer is acknowledged on it ("aborted").
-    session: int = 0
 
 
 @dataclass(frozen=True)
-class SessionErrors:
-    """Requests the front refused on a framed session (they never reached the core): the core
-    writes the refusals to the session in turn with its outputs."""
+class Drain:
+    """The engine is draining: the core refuses its framed sessions' new requests with
+    ``message`` (UNAVAILABLE) and closes each session once nothing of it runs."""
 
-    TYPE: ClassVar[str] = "session_errors"
+    TYPE: ClassVar[str] = "drain"
 
-    session: int
-    request_ids: list[str]
-    codes: list[int]  # gRPC status codes
-    messages: list[str]
-
-
-@dataclass(frozen=True)
-class CloseSession:
-    """The front is done with a framed session (the router left, or a drain emptied it): the
-    core closes its copy of the connection."""
-
-    TYPE: ClassVar[str] = "close_session"
-
-    session: int
+    message: str
 
 
 @dataclass(frozen=True)
@@ -82,6 +62,18 @@ class StatsQuery:
     TYPE: ClassVar[str] = "stats"
 
     nonce: int
+
+
+@dataclass(frozen=True)
+class AbortTaken:
+    """An abort answered with an ``AbortTakenReply`` as soon as the core has taken it in, so
+    the sender knows that whatever reaches the core after the reply (a framed session's new
+    request reusing the id) is handled after the abort."""
+
+    TYPE: ClassVar[str] = "abort_taken"
+
+    nonce: int
+    request_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -145,6 +137,13 @@ class StatsReply:
 
 
 @dataclass(frozen=True)
+class AbortTakenReply:
+    TYPE: ClassVar[str] = "abort_taken_reply"
+
+    nonce: int
+
+
+@dataclass(frozen=True)
 class ResetPrefixCacheReply:
     TYPE: ClassVar[str] = "reset_prefix_cache_reply"
 
@@ -152,10 +151,10 @@ class ResetPrefixCacheReply:
     ok: bool  # False: some block was still in use, nothing was reset
 
 
-FrontMessage = AddRequest | Abort | SessionErrors | CloseSession | StatsQuery | ResetPrefixCache | Shutdown
-CoreMessage = Ready | Outputs | StatsReply | ResetPrefixCacheReply
+FrontMessage = AddRequest | Abort | AbortTaken | Drain | StatsQuery | ResetPrefixCache | Shutdown
+CoreMessage = Ready | Outputs | StatsReply | AbortTakenReply | ResetPrefixCacheReply
 Query = StatsQuery | ResetPrefixCache
-Reply = StatsReply | ResetPrefixCacheReply
+Reply = StatsReply | AbortTakenReply | ResetPrefixCacheReply
 
 # {type: message class}, one table a direction: each side accepts only what the other sends.
 _FROM_FRONT = {cls.TYPE: cls for cls in typing.get_args(FrontMessage)}

@@ -1,20 +1,24 @@
 """Prometheus metrics of one engine process, served on their own port (``/metrics``).
 
-The scheduler's gauges are read from the core when a scrape comes, not on a timer: asking the
-core once a second woke the front (and the core) every second, about 3 ms of the front's CPU
-a second on a 2-core VM, taken from the engine cores whether anyone looked or not.
+The scheduler's gauges, and the tokens and finished requests the core counts, are read from the
+core when a scrape comes, not on a timer: asking the core once a second woke the front (and the
+core) every second, about 3 ms of the front's CPU a second on a 2-core VM, taken from the engine
+cores whether anyone looked or not. The core counts every request (the front is not on a framed
+session's request path at all, ``core_sessions``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
-from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
+from pdserve.engine.outputs import SchedulerStats
 from pdserve.metrics_http import serve_wsgi
 
 logger = logging.getLogger(__name__)
@@ -41,24 +45,11 @@ class EngineMetrics:
         self.blocks_pulled = gauge("pdserve_engine_kv_blocks_pulled", "KV blocks pulled from prefill engines")
         self.loads_failed = gauge("pdserve_engine_kv_loads_failed", "Remote KV loads that failed")
         self.leases_expired = gauge("pdserve_engine_kv_leases_expired", "Held-block leases that expired")
-        self.finished = Counter(
-            "pdserve_engine_requests_finished",
-            "Finished requests",
-            [*names, "finish_reason"],
-            registry=self.registry,
-        )
         self.weight_bytes = gauge(
             "pdserve_engine_weight_bytes", "Bytes the model's weights take in memory (after --quantization)"
         )
-        self.tokens = Counter(
-            "pdserve_engine_generated_tokens", "Generated tokens", names, registry=self.registry
-        ).labels(**labels)
-        self._labels = labels
-
-    def observe_output(self, output: EngineCoreOutput) -> None:
-        self.tokens.inc(len(output.new_token_ids) + output.streamed_tokens)
-        if output.finish_reason:
-            self.finished.labels(**self._labels, finish_reason=output.finish_reason).inc()
+        self.counted = _CoreCounts(labels)
+        self.registry.register(self.counted)
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         self.kv_usage.set(stats.kv_cache_usage)
@@ -71,6 +62,8 @@ class EngineMetrics:
         self.blocks_pulled.set(connector.get("num_blocks_pulled", 0))
         self.loads_failed.set(connector.get("num_loads_failed", 0))
         self.leases_expired.set(connector.get("num_leases_expired", 0))
+        self.counted.tokens = stats.num_generated_tokens
+        self.counted.finished = dict(stats.num_finished)
 
     def serve(self, host: str, port: int, stats: Callable[[], SchedulerStats | None]) -> None:
         """Serve /metrics on ``host:port`` from a thread. ``stats``: the core's scheduler stats
@@ -96,3 +89,24 @@ class EngineMetrics:
                 return metrics_app(environ, start_response)
 
         serve_wsgi(host, port, app)
+
+
+class _CoreCounts(Collector):
+    """The core's counters as of the last scrape's stats (``SchedulerStats``)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.tokens = 0
+        self.finished: dict[str, int] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        names, values = list(self.labels), list(self.labels.values())
+        tokens = CounterMetricFamily("pdserve_engine_generated_tokens", "Generated tokens", labels=names)
+        tokens.add_metric(values, self.tokens)
+        finished = CounterMetricFamily(
+            "pdserve_engine_requests_finished", "Finished requests", labels=[*names, "finish_reason"]
+        )
+        for reason, count in sorted(self.finished.items()):
+            finished.add_metric([*values, reason], count)
+        yield tokens
+        yield finished

@@ -91,9 +91,6 @@ class EngineCoreOutput:
     # else an empty unfinished one. Nothing of the request it aborted follows it, so a front can
     # tell that request's late outputs from those of a new request reusing the id.
     answers_abort: bool = False
-    # A request on a framed session (``CoreSessions``): the core wrote its outputs there itself
-    # and sends its front only the last one, with the tokens written (none in new_token_ids).
-    streamed_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -120,6 +117,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
     kv_connector: dict = field(default_factory=dict)  # the connector's own counters
+    # Counted by the core process over its life (``core_proc.OutputCounts``): every request's.
+    num_generated_tokens: int = 0
+    num_finished: dict[str, int] = field(default_factory=dict)  # {finish_reason: requests}
 
 
 @dataclass

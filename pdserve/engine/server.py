@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -44,7 +44,7 @@ from pdserve.engine.metrics import EngineMetrics
 from pdserve.engine.output_wire import error_status, response_fields
 from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams, validate_prompt
-from pdserve.engine.session_stream import start_session_server
+from pdserve.engine.session_stream import SessionListener
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.wire import engine_stats_to_proto, kv_params_from_proto, sampling_from_proto
 
@@ -71,15 +71,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.vocab_size = core.info.vocab_size
         self.max_model_len = core.info.max_model_len
         self.draining = False  # SIGTERM: refuse new requests, finish the running ones
-        self.sessions: set[FrontSession] = set()  # open Session streams (a drain ends them)
+        self.sessions: set[FrontSession] = set()  # open Session RPCs (a drain ends them)
         self.session_port = 0  # of the framed Session stream (``session_stream``); 0: none
 
-    def start_draining(self) -> None:
+    def draining_message(self) -> str:
+        return f"{self.role} engine {self.address} is draining"
+
+    async def start_draining(self) -> None:
         """Refuse new requests from now on; a session with nothing left running ends, so that
-        the server can stop without waiting for its grace period."""
+        the server can stop without waiting for its grace period (the core does the same with
+        the framed sessions it serves)."""
         self.draining = True
         for session in self.sessions:
             session.wake.set()
+        with contextlib.suppress(EngineCoreError):
+            await self.core.start_draining(self.draining_message())
 
     def _validate(
         self, request: engine_pb2.EngineGenerateRequest
@@ -88,7 +94,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         here (draining, bad input, an id already running)."""
         if self.draining:
             # The router marks this engine down and sends the request elsewhere.
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"{self.role} engine {self.address} is draining")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, self.draining_message())
         request_id = request.request_id or f"eng-{uuid.uuid4().hex}"
         prompt = list(request.prompt_token_ids)
         try:
@@ -121,7 +127,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     finished = True
                     await context.abort(*error_status(str(output.stop_reason)))
                 finished = output.finished
-                self.metrics.observe_output(output)
                 timeline = {**front_events, **(output.timeline or {})}
                 front_events = {}
                 yield _response(output, timeline)
@@ -141,43 +146,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext):
         """Requests and aborts in; each step's outputs of all of them out as one message
         (``front_session``). Each request behaves as a ``Generate`` call: the same checks and
-        status codes (as a ``RequestError``), and the same abort when the stream ends first."""
-        async with contextlib.aclosing(self.serve_session(request_iterator)) as responses:
-            async for response in responses:
-                yield response
-
-    async def serve_session(
-        self,
-        request_iterator: AsyncIterator[engine_pb2.SessionRequest],
-        connection: socket.socket | None = None,
-    ) -> AsyncGenerator[engine_pb2.SessionResponse, None]:
-        """One Session stream, whatever carries it (gRPC, or ``session_stream``'s frames):
-        closing this generator early is the router going away, which aborts what is left.
-
-        ``connection``: the framed stream's socket, which the core then writes to itself
-        (``core_sessions``: one hop less a step); nothing is yielded here, and what the front
-        refuses goes through the core, in turn with its outputs."""
+        status codes (as a ``RequestError``), and the same abort when the stream ends first.
+        Closing this generator early is the router going away, which aborts what is left.
+        (The framed stream carries the same messages, served by the core: ``core_sessions``.)"""
         session = FrontSession()
-        if connection is not None:
-            session.core_session = self.core.open_session(connection)
         self.sessions.add(session)
         reader = asyncio.create_task(self._read_session(request_iterator, session))
         try:
             while True:
                 await session.wake.wait()
-                if session.core_session and self.core.dead:
-                    return  # nothing writes to the router any more: closing tells it
                 outputs, errors, aborted = session.take()
-                if session.core_session:
-                    self._session_finished(session, outputs)
-                    if errors:
-                        try:
-                            await self.core.refuse_in_session(
-                                session.core_session, [(e.request_id, e.code, e.message) for e in errors]
-                            )
-                        except EngineCoreError:
-                            return  # the core is gone: closing tells the router
-                elif outputs or errors or aborted:
+                if outputs or errors or aborted:
                     yield self._session_response(session, outputs, errors, aborted)
                 if (reader.done() or self.draining) and not session.requests:
                     if reader.done():
@@ -189,13 +168,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             left = list(session.requests)
             for request_id in left:
                 self.core.close_stream(request_id)
-            with contextlib.suppress(EngineCoreError):
-                if left:
-                    # The router went away (or cancelled the stream): free the requests' blocks.
-                    logger.info("session closed with %d requests running, aborting: %s", len(left), left)
+            if left:
+                # The router went away (or cancelled the stream): free the requests' blocks.
+                logger.info("session closed with %d requests running, aborting: %s", len(left), left)
+                with contextlib.suppress(EngineCoreError):
                     await self.core.abort(left)
-                if session.core_session and not self.core.dead:
-                    await self.core.close_session(session.core_session)
 
     async def _read_session(self, request_iterator: Any, session: FrontSession) -> None:
         try:
@@ -206,15 +183,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     request_id = message.abort_request_id
                     # Answered in the next message even when it had ended here already (the
                     # router cannot tell), which also wakes a draining session to end.
-                    running = session.abort(request_id)
-                    if running:
+                    if session.abort(request_id):
                         self.core.close_stream(request_id)
                         logger.info("%s: aborted by the router", request_id)
-                    if running or session.core_session:
-                        # On a core-written session the core answers every abort, in turn
-                        # with the outputs it wrote.
                         with contextlib.suppress(EngineCoreError):
-                            await self.core.abort([request_id], session.core_session)
+                            await self.core.abort([request_id])
         finally:
             session.wake.set()  # the writer checks whether the session is over
 
@@ -228,31 +201,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return
         session.add(request_id)
         self.core.open_stream(request_id, session)
-        front_events = None
-        if session.core_session:
-            front_events, session.requests[request_id] = session.requests[request_id], {}
         try:
-            await self.core.add_request(
-                request_id, prompt, sampling, kv_params, request.priority, session.core_session, front_events
-            )
+            await self.core.add_request(request_id, prompt, sampling, kv_params, request.priority)
         except EngineCoreError as exc:
             self.core.close_stream(request_id)
             session.fail(request_id, grpc.StatusCode.UNAVAILABLE.value[0], f"engine core unavailable: {exc}")
             return
         logger.info("%s: queued (%d prompt tokens, remote KV: %s)", request_id, len(prompt), bool(kv_params))
-
-    def _session_finished(self, session: FrontSession, outputs: list[EngineCoreOutput]) -> None:
-        """A core-written session's last outputs (the core wrote them to the router): count
-        and log them, and let the requests go."""
-        for output in outputs:
-            request_id = output.request_id
-            if request_id not in session.requests or not output.finished:
-                continue
-            self.core.close_stream(request_id)
-            del session.requests[request_id]
-            if output.finish_reason != "error":  # an error is not a finish (as on gRPC)
-                self.metrics.observe_output(output)
-                logger.info("%s: finished (%s)", request_id, output.finish_reason)
 
     def _session_response(
         self,
@@ -277,7 +232,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 )
                 continue
             events = session.requests[request_id]
-            self.metrics.observe_output(output)
             timeline = {**events, **(output.timeline or {})} if events else output.timeline
             session.requests[request_id] = {}
             response.outputs.add(**response_fields(output, timeline))
@@ -290,8 +244,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         found = self.core.has_stream(request.request_id)
         try:
-            await self.core.abort([request.request_id])
-        except EngineCoreError as exc:
+            # Taken in by the core before the answer: the router may reuse the id at once, on
+            # a framed session the core reads in no order with this front's messages.
+            await self.core.abort_taken([request.request_id])
+        except (EngineCoreError, TimeoutError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return common_pb2.AbortResponse(found=found)
 
@@ -343,6 +299,17 @@ def _response(
     return engine_pb2.EngineGenerateResponse(**response_fields(output, timeline))
 
 
+def _hand_to(core: AsyncEngineCoreClient) -> Callable[[socket.socket], object]:
+    """Where the session listener sends each router's framed session: to the core, while it runs."""
+
+    def take(connection: socket.socket) -> object:
+        if core.dead:
+            raise OSError("the engine core is gone")
+        return core.open_session(connection)
+
+    return take
+
+
 async def _watch_core(core: AsyncEngineCoreClient, health_servicer: Any) -> None:
     """Flip health to NOT_SERVING when the core process dies (told by the core client, with no
     wake-up until then)."""
@@ -382,7 +349,7 @@ async def drain(
     """Leave the rotation at once (health NOT_SERVING, new requests UNAVAILABLE), then wait
     until nothing runs, waits or is held for a remote reader (a prefill's leases end when
     decode has pulled the blocks, or expire), for at most ``timeout_s``."""
-    servicer.start_draining()
+    await servicer.start_draining()
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     logger.info("draining (at most %.0fs): NOT_SERVING, new requests refused", timeout_s)
@@ -459,8 +426,8 @@ async def serve_engine(
     await server.start()
     session_server = None
     if session_port >= 0:
-        session_server = await start_session_server(servicer, host, session_port)
-        servicer.session_port = session_server.sockets[0].getsockname()[1]
+        session_server = SessionListener(host, session_port, _hand_to(core))
+        servicer.session_port = session_server.port
         logger.info("%s engine: Session stream on port %d", role, servicer.session_port)
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

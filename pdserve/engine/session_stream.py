@@ -1,5 +1,5 @@
 """The engine's Session stream without gRPC: the same messages, framed on plain TCP
-(``pdserve.session_frames``), served by the same ``EngineServicer.serve_session``.
+(``pdserve.session_frames``), served by the engine core itself.
 
 A router that finds ``session_port`` in the engine's ``Info`` opens its session here; one that
 does not (or cannot connect) keeps using the ``Session`` RPC. Everything a request sees is the
@@ -8,8 +8,10 @@ router that goes away (the connection closes, or breaks) has its requests aborte
 blocks freed, as a cancelled RPC has. The router is this stream's only client: it sends nothing
 before its requests (no handshake), and the engine's gRPC port is as open as this one.
 
-The front reads the stream; the engine core writes it (the connection's socket is handed to the
-core, ``core_sessions``), so a step's outputs reach the router without waking the front.
+The front only listens: each connection it accepts goes to the core at once (``SCM_RIGHTS`` on a
+Unix socket the two share, ``hand_over``), before the front reads a byte of it, and the front
+closes its copy. The core reads the requests and writes the outputs (``core_sessions``), so
+neither a request's arrival, nor its tokens, nor its end wakes the front.
 """
 
 from __future__ import annotations
@@ -18,73 +20,52 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Protocol
-
-from google.protobuf.message import DecodeError
-
-from pdserve.session_frames import FrameError, read_frame, write_messages
-from pdserve.v1 import engine_pb2
+import struct
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-
-class SessionServicer(Protocol):
-    """What serves a session's messages (``EngineServicer``), whatever carries them."""
-
-    def serve_session(
-        self,
-        request_iterator: AsyncIterator[engine_pb2.SessionRequest],
-        connection: socket.socket | None = None,
-    ) -> AsyncGenerator[engine_pb2.SessionResponse, None]: ...
+SESSION_ID = struct.Struct("!Q")  # what the front sends with a session's socket
+LISTEN_BACKLOG = 64
 
 
-async def start_session_server(servicer: SessionServicer, host: str, port: int) -> asyncio.Server:
-    """Listen on ``host:port`` (0: a free port, ``server.sockets[0]``) for routers' sessions."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _serve_connection(servicer, reader, writer)
-
-    return await asyncio.start_server(serve, host, port, reuse_address=True)
+def hand_over(channel: socket.socket, session: int, connection: socket.socket) -> None:
+    """Send ``connection`` (a framed session) to the core as ``session``."""
+    socket.send_fds(channel, [SESSION_ID.pack(session)], [connection.fileno()])
 
 
-async def _serve_connection(
-    servicer: SessionServicer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    peer = writer.get_extra_info("peername")
-    closed = asyncio.Event()  # the router closed (or broke) the connection
+class SessionListener:
+    """Accepts routers' framed sessions and gives each to ``take`` (which hands it to the core,
+    or raises OSError when it cannot: the connection is then closed, which the router reads as
+    an engine it cannot use)."""
 
-    async def requests() -> AsyncIterator[engine_pb2.SessionRequest]:
-        try:
-            while (payload := await read_frame(reader)) is not None:
-                yield engine_pb2.SessionRequest.FromString(payload)
-        except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
-            logger.warning("session stream from %s broke: %s", peer, exc)
-        except DecodeError as exc:  # a frame that is not a SessionRequest
-            logger.warning("session stream from %s sent a bad message: %s", peer, exc)
-        closed.set()
+    def __init__(self, host: str, port: int, take: Callable[[socket.socket], object]) -> None:
+        self._take = take
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        self._sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        self._sock.setblocking(False)
+        self.port: int = self._sock.getsockname()[1]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.fileno(), self._accept)
 
-    connection = writer.get_extra_info("socket")  # the core writes the session's outputs
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, peer = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, say: the router retries
+                logger.warning("session stream: accept failed: %s", exc)
+                return
+            with connection:  # the core has its own copy now (or none: the router sees the end)
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    self._take(connection)
+                except Exception as exc:  # noqa: BLE001 - one connection, not the listener
+                    logger.warning("session stream from %s: not handed to the core (%s)", peer, exc)
 
-    async def write_responses() -> None:
-        async with contextlib.aclosing(servicer.serve_session(requests(), connection)) as responses:
-            await write_messages(writer, responses)
-
-    writing = asyncio.create_task(write_responses())
-    watching = asyncio.create_task(closed.wait())
-    try:
-        # The router only closes its end when it leaves: whatever still runs is aborted (the
-        # generator's clean-up), as when a gRPC stream is cancelled.
-        await asyncio.wait({writing, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (writing, watching):
-            task.cancel()
-        try:
-            await writing
-        except (asyncio.CancelledError, OSError):
-            pass  # the router went away, or we stopped writing to it
-        except Exception:
-            logger.exception("session stream from %s failed", peer)
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    def close(self) -> None:
+        """Accept no more sessions; the open ones are the core's, and end with the drain."""
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()

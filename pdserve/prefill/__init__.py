@@ -9,9 +9,11 @@ Life cycle of a request on a prefill engine:
 
 1. The router sends ``Engine.Generate`` with ``max_tokens=1`` and ``do_remote_decode``
    (``RouterServicer._stream_stage()`` in ``pdserve/router/service.py``).
-2. The front (``EngineServicer.Generate()``) records ``front_received``, validates, and sends
-   ``AddRequest`` over ZMQ to its engine core process (``MPClient.add_request()`` in
-   ``pdserve/engine/core_client.py``).
+2. On the router's framed session (its default) the engine core process reads the request
+   itself (``CoreSessions.read()`` in ``pdserve/engine/core_sessions.py``), records
+   ``front_received`` and refuses it there if it cannot run. On a ``Generate`` call the front
+   (``EngineServicer.Generate()``) does the same and sends ``AddRequest`` over ZMQ to its core
+   (``MPClient.add_request()`` in ``pdserve/engine/core_client.py``).
 3. The core's busy loop (``EngineCore.run_busy_loop()`` in ``pdserve/engine/core.py``) takes the
    request in (``CoreServer.receive()``, then ``EngineCore.add_request()``), and
    ``Scheduler.add_request()`` queues it (event ``received``).

@@ -1,18 +1,23 @@
 """The core's side of a framed session (``pdserve.engine.core_sessions``), on real sockets: the
-socket handed over ``SCM_RIGHTS``, one frame per step, errors and abort acknowledgements in
-order, an id reused after its abort, the front told only of each request's end, and a router
-that reads slowly getting every byte in order once it reads again."""
+socket handed over ``SCM_RIGHTS``, the router's requests and aborts read in order, refusals,
+one frame per step, errors and abort acknowledgements in order, an id reused after its abort, a
+router that leaves (or breaks the stream) having its requests aborted, a drain closing idle
+sessions, and a router that reads slowly getting every byte in order once it reads again."""
 
 from __future__ import annotations
 
 import socket
+import time
 
+import grpc
 import pytest
 
-from pdserve.engine.core_sessions import CoreSessions, send_session_socket
+from pdserve.engine.core import AbortRequests, EngineCoreRequest
+from pdserve.engine.core_sessions import CoreSessions
 from pdserve.engine.outputs import EngineCoreOutput
-from pdserve.session_frames import HEADER_BYTES
-from pdserve.v1 import engine_pb2
+from pdserve.engine.session_stream import hand_over
+from pdserve.session_frames import HEADER_BYTES, frame
+from pdserve.v1 import common_pb2, engine_pb2
 
 
 @pytest.fixture
@@ -21,12 +26,43 @@ def wired():
     front_end, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     router, engine = socket.socketpair()
     sessions = CoreSessions(core_end)
-    send_session_socket(front_end, 1, engine)
-    engine.close()  # the front's copy: the core's is the one that writes
+    hand_over(front_end, 1, engine)
+    engine.close()  # the front's copy: the core's is the only one
+    assert sessions.accept()
     yield sessions, router
     sessions.close_all()
     for s in (front_end, core_end, router):
         s.close()
+
+
+def session_fd(sessions: CoreSessions) -> int:
+    (fd,) = sessions.readable()
+    return fd
+
+
+def send(router: socket.socket, *messages: engine_pb2.SessionRequest) -> None:
+    router.sendall(b"".join(frame(m.SerializeToString()) for m in messages))
+
+
+def generate(request_id: str, prompt: list[int], **sampling) -> engine_pb2.SessionRequest:
+    request = engine_pb2.EngineGenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(**sampling)
+    )
+    return engine_pb2.SessionRequest(generate=request)
+
+
+def abort(request_id: str) -> engine_pb2.SessionRequest:
+    return engine_pb2.SessionRequest(abort_request_id=request_id)
+
+
+def read_inputs(sessions: CoreSessions, wait_s: float = 5.0) -> list:
+    """What the session sent, as the core's loop takes it (waiting for the bytes to arrive)."""
+    deadline = time.monotonic() + wait_s
+    inputs: list = []
+    while not inputs and time.monotonic() < deadline:
+        inputs = sessions.read(session_fd(sessions)) if sessions.readable() else []
+        time.sleep(0.01)
+    return inputs
 
 
 def read_all(router: socket.socket, first_wait: float = 5.0) -> bytes:
@@ -62,10 +98,18 @@ def step(sessions: CoreSessions, outputs: list[EngineCoreOutput]) -> list[Engine
     return front
 
 
-def test_a_step_of_session_requests_is_one_frame_and_the_front_gets_only_their_ends(wired):
+def test_requests_read_in_order_and_a_step_is_one_frame_the_front_gets_none_of(wired):
     sessions, router = wired
-    assert sessions.bind("a", 1, {"front_received": 1.5})
-    assert sessions.bind("b", 1, None)
+    send(router, generate("a", [1, 2, 3], max_tokens=4, seed=7), generate("b", [4], ignore_eos=True))
+    a, b = read_inputs(sessions)
+    assert isinstance(a, EngineCoreRequest) and isinstance(b, EngineCoreRequest)
+    assert (a.request_id, a.prompt_token_ids, a.sampling_params.max_tokens, a.sampling_params.seed) == (
+        "a",
+        [1, 2, 3],
+        4,
+        7,
+    )
+    assert (b.request_id, b.sampling_params.ignore_eos) == ("b", True)
     front = step(
         sessions,
         [
@@ -76,27 +120,40 @@ def test_a_step_of_session_requests_is_one_frame_and_the_front_gets_only_their_e
     )
     assert [o.request_id for o in front] == ["other"]
     front = step(sessions, [EngineCoreOutput("a", [8], finish_reason="length"), EngineCoreOutput("b", [9])])
-    assert [(o.request_id, o.new_token_ids, o.streamed_tokens, o.finish_reason) for o in front] == [
-        ("a", [], 2, "length")
-    ]
+    assert front == []  # a session request's end too: the front is off the request path
     first, second = read_frames(router)
     assert [(o.request_id, list(o.token_ids)) for o in first.outputs] == [("a", [5]), ("b", [6])]
-    assert dict(first.outputs[0].timeline) == {"front_received": 1.5, "scheduled": 2.0}
+    timeline = dict(first.outputs[0].timeline)
+    assert timeline["scheduled"] == 2.0 and abs(timeline["front_received"] - time.time()) < 60
     assert [(o.request_id, list(o.token_ids), o.finish_reason) for o in second.outputs] == [
         ("a", [8], "length"),
         ("b", [9], ""),
     ]
-    assert not second.outputs[0].timeline  # the front's events go with the first output only
+    assert not second.outputs[0].timeline  # the engine's receive event goes with the first output only
 
 
-def test_errors_refusals_and_abort_acknowledgements_reach_the_session_in_order(wired):
+def test_refusals_errors_and_abort_acknowledgements_reach_the_session_in_order(wired):
     sessions, router = wired
-    sessions.bind("bad", 1, None)
-    sessions.bind("x", 1, None)
-    sessions.refuse(1, ["dup"], [6], ["request_id 'dup' is already running"])
+    send(router, generate("x", [1]), generate("bad", [2]))
+    assert [i.request_id for i in read_inputs(sessions)] == ["x", "bad"]
+    send(
+        router,
+        generate("x", [3]),  # x runs: a second x is refused, and does not touch the first
+        generate("neg", [4], temperature=-1.0),  # refused before it reaches the core
+    )
+    assert read_inputs(sessions, wait_s=0.5) == []
+    refused = read_frames(router)
+    assert [(e.request_id, e.code) for f in refused for e in f.errors] == [
+        ("x", grpc.StatusCode.ALREADY_EXISTS.value[0]),
+        ("neg", grpc.StatusCode.INVALID_ARGUMENT.value[0]),
+    ]
+    assert "temperature" in refused[-1].errors[-1].message
     front = step(sessions, [EngineCoreOutput("bad", [], finish_reason="error", stop_reason="kv_load_failed")])
-    assert [(o.request_id, o.finish_reason) for o in front] == [("bad", "error")]
-    sessions.expect_abort(["x", "gone"], 1)
+    assert front == []
+    send(router, abort("x"), abort("gone"))
+    inputs = read_inputs(sessions)
+    assert [type(i) for i in inputs] == [AbortRequests, AbortRequests]
+    assert [i.request_ids for i in inputs] == [["x"], ["gone"]]
     front = step(
         sessions,
         [
@@ -104,36 +161,39 @@ def test_errors_refusals_and_abort_acknowledgements_reach_the_session_in_order(w
             EngineCoreOutput("gone", [], answers_abort=True),  # it had ended: answered all the same
         ],
     )
-    assert [o.request_id for o in front] == ["x", "gone"]  # the front counts its aborts' answers
-    refused, failed, acknowledged = read_frames(router)
-    assert [(e.request_id, e.code) for e in refused.errors] == [("dup", 6)]
+    assert front == []  # the session's aborts, answered to the session only
+    failed, acknowledged = read_frames(router)
     assert [(e.request_id, e.code) for e in failed.errors] == [("bad", 10)]  # ABORTED: KV lost
     assert list(acknowledged.aborted) == ["x", "gone"] and not acknowledged.outputs
 
 
-def test_an_id_reused_after_its_abort_writes_the_new_requests_outputs(wired):
-    """The new request is bound on input, before the old one's abort is answered (after the
+def test_an_id_reused_after_its_abort_is_taken_and_gets_the_new_requests_outputs(wired):
+    """The new request is taken on input, before the old one's abort is answered (after the
     step in flight): the old one's outputs are still its own, the new one's follow."""
     sessions, router = wired
-    sessions.bind("r", 1, None)
+    send(router, generate("r", [1]))
+    read_inputs(sessions)
     step(sessions, [EngineCoreOutput("r", [1])])
-    sessions.expect_abort(["r"], 1)
-    sessions.bind("r", 1, {"front_received": 9.0})
+    send(router, abort("r"), generate("r", [2]))
+    taken = read_inputs(sessions)
+    assert [type(i) for i in taken] == [AbortRequests, EngineCoreRequest]
     step(
         sessions,
         [EngineCoreOutput("r", [2]), EngineCoreOutput("r", [], finish_reason="abort", answers_abort=True)],
     )
     step(sessions, [EngineCoreOutput("r", [3])])
     frames = read_frames(router)
+    assert not any(f.errors for f in frames)
     assert [list(o.token_ids) for f in frames for o in f.outputs] == [[1], [2], [3]]
     assert list(frames[1].aborted) == ["r"]
-    assert dict(frames[2].outputs[0].timeline) == {"front_received": 9.0}  # the new request's first
+    assert "front_received" in frames[2].outputs[0].timeline  # the new request's first output
 
 
 def test_a_router_that_stops_reading_gets_every_frame_in_order_when_it_reads_again(wired):
     sessions, router = wired
     router.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sessions.bind("long", 1, None)
+    send(router, generate("long", [1]))
+    read_inputs(sessions)
     for i in range(3000):  # far more than the socket buffers hold
         step(sessions, [EngineCoreOutput("long", list(range(i, i + 40)))])
     assert sessions.waiting_to_write(), "the kernel took it all: the test proves nothing"
@@ -147,15 +207,70 @@ def test_a_router_that_stops_reading_gets_every_frame_in_order_when_it_reads_aga
     assert [o.token_ids[0] for f in got for o in f.outputs] == list(range(3000))
 
 
-def test_a_router_gone_drops_its_session_and_later_outputs_still_end_at_the_front(wired):
+def test_a_router_that_leaves_has_its_running_requests_aborted(wired):
     sessions, router = wired
-    sessions.bind("q", 1, None)
+    send(router, generate("done", [1]), generate("q", [2]), generate("aborting", [3]))
+    read_inputs(sessions)
+    step(sessions, [EngineCoreOutput("done", [5], finish_reason="length")])
+    send(router, abort("aborting"))
+    assert [i.request_ids for i in read_inputs(sessions)] == [["aborting"]]
     router.close()
-    step(sessions, [EngineCoreOutput("q", [1])])
-    step(sessions, [EngineCoreOutput("q", [2])])  # the write fails: the session is dropped
-    front = step(sessions, [EngineCoreOutput("q", [3], finish_reason="length")])
-    assert [(o.request_id, o.streamed_tokens) for o in front] == [("q", 3)]
-    assert not sessions.waiting_to_write()
+    (ended,) = read_inputs(sessions)
+    # Not the finished one, nor the one whose abort is on its way already.
+    assert isinstance(ended, AbortRequests) and ended.request_ids == ["q"]
+    assert sessions.readable() == []
+    front = step(sessions, [EngineCoreOutput("q", [], finish_reason="abort", answers_abort=True)])
+    assert [o.request_id for o in front] == ["q"]  # the core's own abort: no session asked for it
+
+
+def test_a_write_to_a_router_gone_aborts_its_requests_at_the_next_input(wired):
+    sessions, router = wired
+    send(router, generate("q", [1]))
+    read_inputs(sessions)
+    router.close()
+    for i in range(20):  # the first writes may still succeed; a later one fails
+        step(sessions, [EngineCoreOutput("q", [i])])
+        lost = sessions.take_lost()
+        if lost:
+            break
+    assert [a.request_ids for a in lost] == [["q"]]
+    assert not sessions.waiting_to_write() and sessions.readable() == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param((1 << 31).to_bytes(4, "big"), id="a-2-GB-length"),
+        pytest.param(b"\x00\x00\x00\x03\xff\xff\xff", id="not-a-SessionRequest"),
+    ],
+)
+def test_a_bad_frame_drops_the_session_and_aborts_its_requests(wired, bad):
+    sessions, router = wired
+    send(router, generate("q", [1]))
+    read_inputs(sessions)
+    router.sendall(bad)
+    (ended,) = read_inputs(sessions)
+    assert isinstance(ended, AbortRequests) and ended.request_ids == ["q"]
+    assert read_all(router, first_wait=1.0) == b"", "the engine kept a stream that sent a bad frame"
+
+
+def test_a_drain_refuses_new_requests_and_closes_each_session_once_idle(wired):
+    sessions, router = wired
+    send(router, generate("q", [1]))
+    read_inputs(sessions)
+    sessions.start_draining("decode engine e:1 is draining")
+    send(router, generate("late", [2]))
+    assert read_inputs(sessions, wait_s=0.5) == []
+    step(sessions, [EngineCoreOutput("q", [7], finish_reason="stop")])
+    data = read_all(router)
+    refused, last = parse_frames(data)
+    assert [(e.request_id, e.code, e.message) for e in refused.errors] == [
+        ("late", grpc.StatusCode.UNAVAILABLE.value[0], "decode engine e:1 is draining")
+    ]
+    assert [(o.request_id, o.finish_reason) for o in last.outputs] == [("q", "stop")]
+    assert sessions.readable() == [], "the drained session stayed open"
+    router.settimeout(1.0)
+    assert router.recv(1) == b""  # the router sees the end: it goes elsewhere
 
 
 def test_the_channel_closed_by_a_dead_front_is_told_apart_from_an_empty_one():

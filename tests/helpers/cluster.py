@@ -61,12 +61,31 @@ def next_within(iterator: Iterator, timeout_s: float):
 
 @contextlib.contextmanager
 def frozen(pid: int) -> Iterator[None]:
-    """SIGSTOP a process for the duration of the block (it answers nothing meanwhile)."""
-    os.kill(pid, signal.SIGSTOP)
+    """SIGSTOP a process and its children for the duration of the block: an engine's front
+    and its core, which serves the router's framed session itself (it answers nothing
+    meanwhile)."""
+    pids = [pid, *children(pid)]
+    for each in pids:
+        os.kill(each, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for each in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, signal.SIGCONT)
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] != "Z":
+                    found.append(int(entry))
+    return found
 
 
 def pid_gone(pid: int) -> bool:

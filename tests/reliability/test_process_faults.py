@@ -307,7 +307,7 @@ def test_prefill_restarted_on_same_address_redoes_the_handshake(ready, tiny_llm,
 def test_request_on_a_prefill_that_dies_is_served_by_decode(ready, tiny_llm, tokenizer):
     env = ready
     prompt = fresh_prompt(tokenizer)
-    os.kill(env.prefill.pid, signal.SIGSTOP)  # it takes the request but never answers
+    env.prefill.freeze()  # front and core: it takes the request but never answers
     target = Stream(env.client, generate_request(prompt, MAX_TOKENS, "prefill-died-under-it"))
     try:
         wait_for(lambda: router_in_flight(env.router, "prefill") == 1, 10, "the router to send it to prefill")
