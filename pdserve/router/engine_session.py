@@ -64,6 +64,7 @@ class SessionStream:
         # ``deliver``); None: every message goes through the queue.
         self.fast: Callable[[engine_pb2.EngineGenerateResponse], bool] | None = None
         self._waiting = False  # the iterator waits for a message, done with every one before
+        self._ended = False  # the iterator gave the last message
         # One timer for the whole request (not one per message): at the deadline, end it.
         self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
 
@@ -119,20 +120,28 @@ class SessionStream:
             self.done = True
             self._call.abort(self.request_id)
 
-    async def __aiter__(self) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        while True:
-            self._waiting = True
-            try:
-                item = await self.queue.get()
-            finally:
-                self._waiting = False
-            if item is _CANCELLED:
-                raise asyncio.CancelledError()
-            if isinstance(item, grpc.aio.AioRpcError):
-                raise item
-            yield item
-            if item.finish_reason:
-                return
+    def __aiter__(self) -> SessionStream:
+        return self
+
+    async def __anext__(self) -> engine_pb2.EngineGenerateResponse:
+        # An iterator, not an async generator: the request path stops reading at the last
+        # message, and a generator left there is closed by a task of its own after it is
+        # collected (asyncio's finalizer hook), one a stage.
+        if self._ended:
+            raise StopAsyncIteration
+        self._waiting = True
+        try:
+            item = await self.queue.get()
+        finally:
+            self._waiting = False
+        if item is _CANCELLED:
+            self._ended = True
+            raise asyncio.CancelledError()
+        if isinstance(item, grpc.aio.AioRpcError):
+            self._ended = True
+            raise item
+        self._ended = bool(item.finish_reason)
+        return item
 
 
 class FramedSessionCall:

@@ -284,13 +284,9 @@ class OpenAIServer:
             for prepared in prepared_prompts:
                 for i in range(n):
                     index = len(choices)
-                    sampling = prepared.sampling
-                    if n > 1 and sampling.seed is not None:
-                        # Each choice draws its own tokens (vLLM: seed + index); still reproducible.
-                        sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
                     request_id = base_id if n * len(prompts) == 1 else f"{base_id}-{index}"
                     live = self.servicer.admit(request_id)
-                    choices.append(Choice(index, live, dataclasses.replace(prepared, sampling=sampling)))
+                    choices.append(Choice(index, live, _choice_request(prepared, n, i)))
         except RouterError as exc:
             for choice in choices:
                 self.servicer.live.pop(choice.live.request_id, None)
@@ -313,19 +309,25 @@ class OpenAIServer:
         prompt.include_stop_str_in_output = bool(body.include_stop_str_in_output)
         prompt.priority = body.priority or 0
         try:
-            prepared = self.servicer.prepare(prompt)
+            tokens = self.servicer.tokenize(prompt)
             max_model_len = self.servicer.max_model_len()
+            max_tokens = requested
+            if max_tokens is None:
+                room = max_model_len - len(tokens)
+                max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+                if prompt.sampling.min_tokens <= max_tokens:
+                    # The default in the placeholder's place: the params are made and checked
+                    # once, with the same outcome (neither value fails a check the other passes).
+                    prompt.sampling.max_tokens = max_tokens
+            prepared = self.servicer.prepare(prompt, tokens)
         except NoChatTemplateError:
             raise OpenAIError(400, NO_CHAT_TEMPLATE_HTTP, param="messages") from None
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=_param_of(str(exc))) from None
         except RouterError as exc:
             raise openai_error_of(exc) from None
-        num_prompt = len(prepared.prompt_token_ids)
-        room = max_model_len - num_prompt
-        if requested is None:
-            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        elif num_prompt + requested > max_model_len:
+        num_prompt = len(tokens)
+        if requested is not None and num_prompt + requested > max_model_len:
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -333,8 +335,9 @@ class OpenAIServer:
                 "Please reduce the length of the prompt or completion.",
                 param="max_tokens",
             )
-        else:
-            max_tokens = requested
+        if prepared.sampling.max_tokens == max_tokens:
+            return prepared
+        # The placeholder stayed (min_tokens is over the default): refused here, naming both.
         try:
             sampling = dataclasses.replace(prepared.sampling, max_tokens=max_tokens)
         except ValueError as exc:
@@ -450,7 +453,8 @@ class OpenAIServer:
         head, _, tail = template.partition(orjson.dumps(_TEXT_MARK))
 
         def plain_token(choice: Choice, text: str, token_ids: list[int]) -> bytes | None:
-            choice.add_tokens(text, token_ids)
+            choice.text.append(text)  # ``add_tokens``, inline on every token's way
+            choice.token_ids.extend(token_ids)
             if templated:
                 return head + orjson.dumps(text) + tail if text else None
             return chunk_of(choice, text, token_ids, False)
@@ -497,8 +501,8 @@ class OpenAIServer:
         finally:
             watcher.cancel()
             by_reader = sink.tokens_sent if sink is not None else 0
-            self.metrics.streamed_tokens.labels(path="reader").inc(by_reader)
-            self.metrics.streamed_tokens.labels(path="task").inc(
+            self.metrics.streamed_tokens_by(path="reader").inc(by_reader)
+            self.metrics.streamed_tokens_by(path="task").inc(
                 sum(len(c.token_ids) for c in choices) - by_reader
             )
             for choice in choices:
@@ -536,6 +540,16 @@ class OpenAIServer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _choice_request(prepared: PreparedRequest, n: int, i: int) -> PreparedRequest:
+    """Choice ``i`` of ``n``'s request: ``prepared`` itself (nothing in it changes once
+    prepared), or with a seed of its own."""
+    seed = prepared.sampling.seed
+    if n == 1 or seed is None:
+        return prepared
+    # Each choice draws its own tokens (vLLM: seed + index); still reproducible.
+    return dataclasses.replace(prepared, sampling=dataclasses.replace(prepared.sampling, seed=seed + i))
 
 
 def _usage(choices: list[Choice]) -> dict[str, int]:
@@ -620,7 +634,7 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_counting)
         finally:
-            self.metrics.http_requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+            self.metrics.http_requests_by(endpoint=endpoint, status=str(status["code"])).inc()
 
 
 class _EventStream(StreamingResponse):
@@ -662,8 +676,9 @@ class _ChunkSink:
     @classmethod
     def of(cls, send: Callable | None, chunk: Callable[[str, list[int]], bytes | None]) -> _ChunkSink | None:
         cycle: Any = getattr(send, "__self__", None)
-        if not all(hasattr(cycle, name) for name in cls._CYCLE_FIELDS):
-            return None
+        for name in cls._CYCLE_FIELDS:
+            if not hasattr(cycle, name):
+                return None
         return cls(cycle, chunk) if hasattr(cycle.flow, "write_paused") else None
 
     def ready(self) -> bool:

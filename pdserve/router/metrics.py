@@ -3,6 +3,7 @@ and the KV-event index (its size, events, replays, resyncs, and how well it pred
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -126,6 +127,18 @@ class RouterMetrics:
             ["endpoint", "status"],
             registry=self.registry,
         )
+
+        # The children the request path updates, by their label values (``requests_by(
+        # finish_reason="stop")``): ``labels()`` looks one up in ~8 Python calls and a lock each
+        # time, and these label sets are few (finish reasons, status codes, engines). The same
+        # series: a child is made at its first use, as ``labels()`` makes it, and none is removed.
+        self.requests_by = functools.cache(self.requests.labels)
+        self.rejected_by = functools.cache(self.rejected.labels)
+        self.routed_by = functools.cache(self.routed.labels)
+        self.streamed_tokens_by = functools.cache(self.streamed_tokens.labels)
+        self.in_flight_by = functools.cache(self.in_flight.labels)
+        self.kv_hit_error_by = functools.cache(self.kv_hit_error.labels)
+        self.http_requests_by = functools.cache(self.http_requests.labels)
 
     def serve(self, host: str, port: int, gate: Callable[[Callable], Callable] | None = None) -> None:
         """Serve /metrics on ``host:port`` from a thread; ``gate`` wraps the WSGI app (an API key

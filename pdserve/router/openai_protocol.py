@@ -94,8 +94,9 @@ class _SamplingRequest(_Strict):
     }
 
     def check_unsupported(self) -> None:
+        given = self.model_fields_set
         for name, defaults in self.unsupported_defaults.items():
-            if name in self.model_fields_set and getattr(self, name) not in defaults:
+            if name in given and getattr(self, name) not in defaults:
                 raise OpenAIError(
                     400, f"{name}: not supported by pdserve (leave it unset or null)", param=name
                 )

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol
 
 import grpc
 
@@ -154,25 +154,53 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _limits(self) -> tuple[int, int, int]:
         """(vocab_size, max_model_len, block_size) from the engines (the strictest)."""
-        infos = [e.info for e in self.pool.engines if e.info is not None]
-        if not infos:
+        # One pass and no generator: a request asks for these several times.
+        limits: tuple[int, int, int] | None = None
+        for engine in self.pool.engines:
+            info = engine.info
+            if info is None:
+                continue
+            if limits is None:
+                limits = (info.vocab_size, info.max_model_len, info.block_size)
+            else:
+                limits = (min(limits[0], info.vocab_size), min(limits[1], info.max_model_len), limits[2])
+        if limits is None:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no engine has come up yet")
-        return (
-            min(i.vocab_size for i in infos),
-            min(i.max_model_len for i in infos),
-            infos[0].block_size,
+        return limits
+
+    def prepare(
+        self, request: router_pb2.GenerateRequest, tokens: list[int] | None = None
+    ) -> PreparedRequest:
+        """Tokenize and validate; ValueError (-> INVALID_ARGUMENT / HTTP 400) names the field.
+
+        ``tokens``: what ``tokenize`` gave for this request already (the HTTP front door looks
+        at the prompt's length before it sets a default ``max_tokens``).
+        """
+        if tokens is None:
+            tokens = self.tokenize(request)
+        vocab_size = self._limits()[0]
+        sampling = sampling_from_proto(request.sampling)  # validated as it is made
+        if sampling.stop_token_ids and max(sampling.stop_token_ids) >= vocab_size:
+            # The one check that needs the vocabulary: raises, naming the id.
+            sampling.validate(vocab_size)
+        if any(not s for s in request.stop):
+            raise ValueError("stop: a stop string must not be empty")
+        return PreparedRequest(
+            tokens, sampling, request.priority, tuple(request.stop), request.include_stop_str_in_output
         )
 
-    def prepare(self, request: router_pb2.GenerateRequest) -> PreparedRequest:
-        """Tokenize and validate; ValueError (-> INVALID_ARGUMENT / HTTP 400) names the field.
+    def tokenize(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """The request's prompt tokens, checked; ValueError names the field.
 
         Chat messages given to a model with no chat template raise ``NoChatTemplateError`` (a
         ValueError saying so, and that a plain prompt works).
         """
         vocab_size, max_model_len, _ = self._limits()
-        if sum(bool(x) for x in (request.prompt, request.prompt_token_ids, request.messages)) > 1:
+        if bool(request.prompt) + bool(request.prompt_token_ids) + bool(request.messages) > 1:
             raise ValueError("give one of prompt, prompt_token_ids or messages")
-        text_bytes = len(request.prompt.encode()) + sum(len(m.content.encode()) for m in request.messages)
+        text_bytes = len(request.prompt.encode())
+        for message in request.messages:
+            text_bytes += len(message.content.encode())
         if text_bytes > MAX_PROMPT_BYTES:
             raise ValueError(f"prompt: {text_bytes} bytes is over the {MAX_PROMPT_BYTES}-byte limit")
         if request.messages:
@@ -193,20 +221,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         else:
             tokens = [int(t) for t in request.prompt_token_ids]
         validate_prompt(tokens, max_model_len, vocab_size)
-        sampling = sampling_from_proto(request.sampling)
-        sampling.validate(vocab_size)
-        if any(not s for s in request.stop):
-            raise ValueError("stop: a stop string must not be empty")
-        return PreparedRequest(
-            tokens, sampling, request.priority, tuple(request.stop), request.include_stop_str_in_output
-        )
+        return tokens
 
     def admit(self, request_id: str) -> LiveRequest:
         """Register a request as in flight, or refuse it (ALREADY_EXISTS, RESOURCE_EXHAUSTED)."""
         if request_id in self.live:
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         if len(self.live) >= self.max_inflight:
-            self.metrics.rejected.labels(code="RESOURCE_EXHAUSTED").inc()
+            self.metrics.rejected_by(code="RESOURCE_EXHAUSTED").inc()
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"router is at its limit of {self.max_inflight} requests in flight; retry later",
@@ -231,7 +253,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared = self.prepare(request)
             live = self.admit(request_id)
         except ValueError as exc:
-            self.metrics.rejected.labels(code="INVALID_ARGUMENT").inc()
+            self.metrics.rejected_by(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
             await context.abort(exc.code, str(exc))
@@ -261,22 +283,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finished = counted = False
         try:
             # Closed at once when we stop early: each stage's in-flight count drops right away.
-            async with contextlib.aclosing(
-                self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S, sink)
-            ) as responses:
+            # (The request path's generators are closed in ``finally``, as ``contextlib.aclosing``
+            # would, without its three calls a layer.)
+            responses = self._run(live, prepared, timeout or ENGINE_RPC_TIMEOUT_S, sink)
+            try:
                 async for response in responses:
                     finished = bool(response.finish_reason)
                     yield response
                     if finished:
                         break
+            finally:
+                await responses.aclose()
         except _Aborted:
             logger.info("%s: aborted by the client", request_id)
-            self.metrics.requests.labels(finish_reason="abort").inc()
+            self.metrics.requests_by(finish_reason="abort").inc()
             counted = True
             yield router_pb2.GenerateResponse(request_id=request_id, finish_reason="abort")
         except RouterError as exc:
             logger.warning("%s: %s", request_id, exc)
-            self.metrics.requests.labels(finish_reason=exc.code.name.lower()).inc()
+            self.metrics.requests_by(finish_reason=exc.code.name.lower()).inc()
             counted = True
             raise
         finally:
@@ -284,7 +309,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if not finished and not counted:
                     # The caller went away (gRPC cancel or deadline, HTTP stream closed).
                     logger.info("%s: the client went away", request_id)
-                    self.metrics.requests.labels(finish_reason="abort").inc()
+                    self.metrics.requests_by(finish_reason="abort").inc()
                 if not finished or live.cut_short:
                     # Cancelled, disconnected, failed or cut short by a stop string: engines may
                     # still hold or run it, and nothing may stay allocated anywhere.
@@ -309,6 +334,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         text = TextStream(
             self.tokenizer, prepared.stop, prepared.include_stop_str_in_output, sampling.min_tokens
         )
+        # The engines' sampling message, made once: each stage sends it with its own token counts.
+        engine_sampling = sampling_to_proto(sampling)
         prefills = self.pool.of_role("prefill")
         decodes = self.pool.of_role("decode")
         if not decodes:
@@ -323,7 +350,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             and self._prefill_backlogged(prefills, decodes)
         )
         direct = not prefills or short or backlogged
-        self.metrics.routed.labels(
+        self.metrics.routed_by(
             path="backlog_colocated" if backlogged else "colocated" if direct else "disaggregated"
         ).inc()
         if backlogged:
@@ -341,24 +368,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prefill_done: float | None = None
         if not direct:
             # Prefill: the first token and the held blocks' address.
-            prefill_sampling = dataclasses.replace(
-                sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)
-            )
+            prefill_sampling = _stage_sampling(engine_sampling, 1, min(sampling.min_tokens, 1))
             remote = sampling.max_tokens > 1
             kv = common_pb2.KVTransferParams(do_remote_decode=True) if remote else None
             stage = self._stream_stage(
-                live, "prefill", tokens, prefill_sampling, priority, kv, block_hashes, timeout
+                live, "prefill", tokens, prefill_sampling, 0, priority, kv, block_hashes, timeout
             )
             first: engine_pb2.EngineGenerateResponse | None = None
+            relay = self._relay(live, stage, text, timings, first_stage=True, last_stage=not remote)
             try:
-                async with contextlib.aclosing(
-                    self._relay(live, stage, text, timings, first_stage=True, last_stage=not remote)
-                ) as relay:
+                try:
                     async for response, message in relay:
                         first = message
                         yield response
                         if response.finish_reason:
                             return  # EOS, a stop token or string, max_tokens == 1
+                finally:
+                    await relay.aclose()
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or first is not None:
                     raise
@@ -374,24 +400,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 output, kv_params = list(first.token_ids), first.kv_transfer_params
 
         # Decode: colocated, or after the prefill's first token, pulling its blocks.
-        async with contextlib.aclosing(
-            self._decode(
-                live,
-                tokens,
-                output,
-                sampling,
-                priority,
-                kv_params,
-                block_hashes,
-                timeout,
-                text,
-                timings,
-                prefill_done=prefill_done,
-                sink=sink,
-            )
-        ) as decoded:
+        decoded = self._decode(
+            live,
+            tokens,
+            output,
+            sampling,
+            engine_sampling,
+            priority,
+            kv_params,
+            block_hashes,
+            timeout,
+            text,
+            timings,
+            prefill_done=prefill_done,
+            sink=sink,
+        )
+        try:
             async for response in decoded:
                 yield response
+        finally:
+            await decoded.aclose()
 
     def _prefill_backlogged(self, prefills: list[EngineHandle], decodes: list[EngineHandle]) -> bool:
         """True when a prompt is better prefilled on a decode engine: every prefill engine has at
@@ -420,6 +448,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prompt: list[int],
         output: list[int],
         sampling: SamplingParams,
+        engine_sampling: common_pb2.SamplingParams,
         priority: int,
         kv: common_pb2.KVTransferParams | None,
         block_hashes: list,
@@ -430,7 +459,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sink: TokenSink | None = None,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The decode stage, after ``output`` (the tokens already streamed: the prefill's first
-        one, or none); ``sampling`` counts from the start of the output.
+        one, or none); ``sampling`` counts from the start of the output, and ``engine_sampling``
+        is its message (``sampling_to_proto``).
 
         If the decode engine dies after streaming part of the answer, the rest is resumed on
         another healthy decode engine: it computes the prompt and every
@@ -443,37 +473,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         resumes = 0
         while True:
             done = len(output)
-            stage_sampling = dataclasses.replace(
-                sampling,
-                max_tokens=sampling.max_tokens - done,
-                min_tokens=max(0, sampling.min_tokens - done),
-                num_prior_output_tokens=done,
-            )
+            max_tokens = sampling.max_tokens - done
+            if max_tokens < 1:
+                # Never expected (a stage's last token ends it): refused as the params refuse it.
+                dataclasses.replace(sampling, max_tokens=max_tokens, num_prior_output_tokens=done)
             stage = self._stream_stage(
                 live,
                 "decode",
                 prompt + output,
-                stage_sampling,
+                _stage_sampling(engine_sampling, max_tokens, max(0, sampling.min_tokens - done)),
+                done,
                 priority,
                 kv,
                 block_hashes,
                 max(1.0, timeout - (time.perf_counter() - live.arrival)),
             )
+            relay = self._relay(
+                live,
+                stage,
+                text,
+                timings,
+                first_stage=not output,
+                prefill_done=prefill_done,
+                sink=sink,
+                streamed=output,
+            )
             try:
-                async with contextlib.aclosing(
-                    self._relay(
-                        live,
-                        stage,
-                        text,
-                        timings,
-                        first_stage=not output,
-                        prefill_done=prefill_done,
-                        sink=sink,
-                        streamed=output,
-                    )
-                ) as relay:
+                try:
                     async for response, _ in relay:
                         yield response
+                finally:
+                    await relay.aclose()
                 return
             except RouterError as exc:
                 if not exc.resumable or resumes >= MAX_DECODE_RESUMES or live.aborted:
@@ -493,15 +523,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         live: LiveRequest,
         role: str,
         tokens: list[int],
-        sampling: SamplingParams,
+        sampling: common_pb2.SamplingParams,
+        num_prior_output_tokens: int,
         priority: int,
         kv: common_pb2.KVTransferParams | None,
         block_hashes: list,
         timeout: float,
     ) -> AsyncGenerator[tuple[EngineHandle, engine_pb2.EngineGenerateResponse, SessionStream], None]:
-        """Run one stage on an engine of ``role``; retried once elsewhere if the engine was
-        unreachable before it produced anything. Yields each message with the engine and the
-        request's stream there."""
+        """Run one stage on an engine of ``role`` (``sampling``: the stage's, ``_stage_sampling``);
+        retried once elsewhere if the engine was unreachable before it produced anything. Yields
+        each message with the engine and the request's stream there."""
         tried: set[str] = set()
         # A decode stage with no KV to pull: the engine prefills the prompt itself.
         local_prefill = role == "decode" and kv is None
@@ -526,7 +557,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             uncached_tokens = len(tokens) - live.expected_hit_blocks[role] * block_size
             engine.in_flight += 1
             engine.in_flight_tokens += uncached_tokens
-            self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
+            self.metrics.in_flight_by(role=role, engine=engine.address).set(engine.in_flight)
             produced = False
             call: SessionStream | None = None
             prefilling = local_prefill  # until its first message
@@ -539,10 +570,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     engine_pb2.EngineGenerateRequest(
                         request_id=live.request_id,
                         prompt_token_ids=tokens,
-                        sampling=sampling_to_proto(sampling),
+                        sampling=sampling,
                         priority=priority,
                         kv_transfer_params=kv,
-                        num_prior_output_tokens=sampling.num_prior_output_tokens,
+                        num_prior_output_tokens=num_prior_output_tokens,
                     ),
                     timeout,
                 )
@@ -606,7 +637,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     engine.local_prefills -= 1
                 engine.in_flight -= 1
                 engine.in_flight_tokens -= uncached_tokens
-                self.metrics.in_flight.labels(role=role, engine=engine.address).set(engine.in_flight)
+                self.metrics.in_flight_by(role=role, engine=engine.address).set(engine.in_flight)
 
     async def _relay(
         self,
@@ -638,8 +669,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Inter-token gaps of tokens sent to the sink, observed ITL_BATCH at a time (and at the
         # stage's end): one histogram update a token is a few us on a busy core, less in a row.
         gaps: list[float] = []
-        # Only used when use_sink (so neither is None then).
-        to_sink, resume_from = cast(TokenSink, sink), cast(list[int], streamed)
+        # Only used when use_sink (so neither is None then; typed so, not cast: a call less).
+        to_sink: TokenSink = sink  # type: ignore[assignment]
+        resume_from: list[int] = streamed  # type: ignore[assignment]
 
         def observe_gaps() -> None:
             for gap in gaps:
@@ -669,14 +701,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             to_sink.tokens(delta, tokens)
             return True
 
-        async with contextlib.aclosing(stage):
+        try:
             try:
                 async for engine, message, call in stage:
                     now = time.perf_counter()
                     tokens = list(message.token_ids)
-                    if message.timeline:
-                        for event, at in message.timeline.items():
-                            live.timeline.setdefault(f"{engine.role}.{event}", at)
+                    if timeline := message.timeline:
+                        for event in timeline:  # not .items(): a Python generator step an event
+                            live.timeline.setdefault(f"{engine.role}.{event}", timeline[event])
                     if tokens:
                         if last_token_at is not None:
                             itl.observe(now - last_token_at)
@@ -719,7 +751,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         live.timeline["router.done"] = time.time()
                         out.metrics.CopyFrom(_metrics(timings, live.timeline))
                         self.trace.write(live.request_id, out.metrics)
-                        self.metrics.requests.labels(finish_reason=finish_reason).inc()
+                        self.metrics.requests_by(finish_reason=finish_reason).inc()
                     if streamed is not None:
                         streamed.extend(tokens)
                     yield out, message
@@ -730,6 +762,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         call.fast = relay_token
             finally:
                 observe_gaps()
+        finally:
+            await stage.aclose()
 
     def _record_hits(
         self,
@@ -746,7 +780,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         expected = live.expected_hit_blocks.get(role, 0)
         timings[f"{role}_hit_blocks"] = hit
         timings[f"expected_{role}_hit_blocks"] = expected
-        self.metrics.kv_hit_error.labels(role=role).observe(hit - expected)
+        self.metrics.kv_hit_error_by(role=role).observe(hit - expected)
         if pulled:
             external = max(0, message.num_cached_tokens - message.num_prefix_hit_tokens)
             timings["decode_pulled_blocks"] = -(-external // block_size)
@@ -787,6 +821,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for engine in self.pool.engines:
             self.metrics.healthy.labels(role=engine.role, engine=engine.address).set(int(engine.healthy))
         return router_pb2.RouterStats(engines=stats)
+
+
+def _stage_sampling(
+    engine_sampling: common_pb2.SamplingParams, max_tokens: int, min_tokens: int
+) -> common_pb2.SamplingParams:
+    """A stage's sampling message: the request's (``sampling_to_proto`` of its validated params)
+    with the stage's token counts, the message ``sampling_to_proto`` gives for the params
+    ``dataclasses.replace`` makes with those counts (which would validate them all again)."""
+    msg = common_pb2.SamplingParams()
+    msg.CopyFrom(engine_sampling)
+    msg.max_tokens = max_tokens
+    msg.min_tokens = min_tokens
+    return msg
 
 
 def _metrics(timings: dict, timeline: dict[str, float]) -> router_pb2.RequestMetrics:
