@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tests.helpers.processes import children_of
+
 # Engines sized like the session's colocated `tiny_llm`, so greedy outputs can be compared.
 TINY_ENGINE_ARGS = ["--max-model-len", "1024", "--num-blocks", "256", "--max-num-batched-tokens", "1024"]
 # For tests that kill an engine while it decodes: as long an answer as the tiny model's 4096
@@ -64,28 +66,17 @@ def frozen(pid: int) -> Iterator[None]:
     """SIGSTOP a process and its children for the duration of the block: an engine's front
     and its core, which serves the router's framed session itself (it answers nothing
     meanwhile)."""
-    pids = [pid, *children(pid)]
-    for each in pids:
-        os.kill(each, signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)  # first: it starts no child meanwhile
+    pids = [pid, *children_of(pid)]
+    for each in pids[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGSTOP)
     try:
         yield
     finally:
         for each in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(each, signal.SIGCONT)
-
-
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid and fields[0] != "Z":
-                    found.append(int(entry))
-    return found
 
 
 def pid_gone(pid: int) -> bool:
