@@ -11,11 +11,6 @@ peer can only send messages of the two types, and a bad frame ends the connectio
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterable
-
-from google.protobuf.message import Message
-
 HEADER_BYTES = 4
 # As the gRPC servers' limit: a prompt is far smaller than this.
 MAX_FRAME_BYTES = 16 << 20
@@ -36,22 +31,3 @@ def payload_length(header: bytes | bytearray) -> int:
     if length > MAX_FRAME_BYTES:
         raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
     return length
-
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
-    """The next frame's payload; None at a clean end of the stream (the peer closed it between
-    two frames). A stream cut inside a frame raises ``asyncio.IncompleteReadError``."""
-    try:
-        header = await reader.readexactly(HEADER_BYTES)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise
-        return None
-    return await reader.readexactly(payload_length(header))
-
-
-async def write_messages(writer: asyncio.StreamWriter, messages: AsyncIterable[Message]) -> None:
-    """Send each of ``messages`` as a frame as it comes, waiting while the peer's side is full."""
-    async for message in messages:
-        writer.write(frame(message.SerializeToString()))
-        await writer.drain()

@@ -13,10 +13,21 @@ import grpc
 import pytest
 
 from pdserve.router.engine_session import FramedSessionCall
-from pdserve.session_frames import MAX_FRAME_BYTES, frame, read_frame
+from pdserve.session_frames import HEADER_BYTES, MAX_FRAME_BYTES, frame, payload_length
 from pdserve.v1 import engine_pb2
 
 Peer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's payload, as an engine reads a router's requests; None at a clean end."""
+    try:
+        header = await reader.readexactly(HEADER_BYTES)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise
+        return None
+    return await reader.readexactly(payload_length(header))
 
 
 def _responses(count: int) -> list[engine_pb2.SessionResponse]:
