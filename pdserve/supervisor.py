@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import selectors
 import signal
 import socket
@@ -37,6 +38,9 @@ MAX_BIND_ATTEMPTS = 3
 BIND_FAILURE_MARKERS = ("address already in use", "failed to bind", "errno 98")
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.2
+# pick_free_ports' range starts here (below: well-known and registered services' ports).
+FIXED_PORTS_FROM = 20000
+PICK_ATTEMPTS = 200
 
 # Runs in each child before the real command: ask for SIGTERM when the parent dies, pin to the
 # CPUs in argv[2] if any, then exec the command in argv[3:] (same pid, so nothing else changes).
@@ -64,19 +68,49 @@ class StartupStopped(SupervisorError):
 def pick_free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct ports free right now (all held open together so none repeats).
 
-    Free *now* only: another process may bind one before our child does, which is why starting
-    retries a child that lost its port (``Supervisor.start``).
+    Picked at random below the kernel's ephemeral range (``ip_local_port_range``), where it
+    never hands a port out by itself: an outgoing connection or a bind to port 0 of any
+    process on the machine (parallel tests open thousands) cannot take one before our child
+    binds it; only another explicit bind can. Free *now* only all the same, which is why
+    starting retries a child that lost its port (``Supervisor.start``). Where that range
+    leaves too little room below it, the kernel picks (a bind to port 0).
     """
-    sockets = []
+    low, _ = ephemeral_port_range()
+    sockets: list[socket.socket] = []
+    tried: set[int] = set()
+    rng = random.Random()
     try:
-        for _ in range(count):
+        while len(sockets) < count:
+            if low - FIXED_PORTS_FROM >= 1000 and len(tried) < PICK_ATTEMPTS:
+                port = rng.randrange(FIXED_PORTS_FROM, low)
+                if port in tried:
+                    continue
+                tried.add(port)
+            else:
+                port = 0
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                if port == 0:
+                    raise
+                continue
             sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (Linux's default when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(field) for field in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def check_health(address: str, timeout_s: float = 1.0) -> bool:
