@@ -31,3 +31,22 @@ def payload_length(header: bytes | bytearray) -> int:
     if length > MAX_FRAME_BYTES:
         raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_BYTES})")
     return length
+
+
+def take_frames(buffer: bytearray) -> tuple[list[bytes], FrameError | None]:
+    """The payloads of the whole frames at the start of ``buffer``, taken out of it (a frame
+    not whole yet stays, for more bytes), and the FrameError of a bad header: the frames before
+    it still count, nothing from it on does (``buffer`` is emptied)."""
+    start, payloads = 0, []
+    try:
+        while len(buffer) - start >= HEADER_BYTES:
+            end = start + HEADER_BYTES + payload_length(buffer[start : start + HEADER_BYTES])
+            if len(buffer) < end:
+                break
+            payloads.append(bytes(buffer[start + HEADER_BYTES : end]))
+            start = end
+    except FrameError as exc:
+        buffer.clear()
+        return payloads, exc
+    del buffer[:start]
+    return payloads, None

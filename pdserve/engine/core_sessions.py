@@ -36,7 +36,7 @@ from pdserve.engine.core import AbortRequests, EngineCoreRequest
 from pdserve.engine.output_wire import error_status, response_fields
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.session_stream import SESSION_ID
-from pdserve.session_frames import HEADER_BYTES, FrameError, frame, payload_length
+from pdserve.session_frames import frame, take_frames
 from pdserve.v1 import engine_pb2
 from pdserve.wire import kv_params_from_proto, sampling_from_proto
 
@@ -157,20 +157,15 @@ class CoreSessions:
     def _messages(state: _Session) -> tuple[list[engine_pb2.SessionRequest], Exception | None]:
         """The whole frames received (the rest waits for more bytes), and what made a frame
         bad, if one was: the frames before it still count, nothing after it does."""
-        buffer, start, messages = state.received, 0, []
+        payloads, bad = take_frames(state.received)
+        messages = []
         try:
-            while len(buffer) - start >= HEADER_BYTES:
-                end = start + HEADER_BYTES + payload_length(buffer[start : start + HEADER_BYTES])
-                if len(buffer) < end:
-                    break
-                payload = bytes(buffer[start + HEADER_BYTES : end])
-                start = end
+            for payload in payloads:
                 messages.append(engine_pb2.SessionRequest.FromString(payload))
-        except (FrameError, DecodeError) as exc:
-            buffer.clear()
+        except DecodeError as exc:
+            state.received.clear()
             return messages, exc
-        del buffer[:start]
-        return messages, None
+        return messages, bad
 
     def _take(self, session: int, message: engine_pb2.SessionRequest) -> SessionInput | None:
         kind = message.WhichOneof("kind")

@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.router.discovery import address_host
-from pdserve.session_frames import HEADER_BYTES, FrameError, frame, payload_length
+from pdserve.session_frames import FrameError, frame, take_frames
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -238,23 +238,17 @@ class _FrameProtocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        start = 0
+        self.buffer += data
+        payloads, bad = take_frames(self.buffer)
         try:
-            while len(buffer) - start >= HEADER_BYTES:
-                end = start + HEADER_BYTES + payload_length(buffer[start : start + HEADER_BYTES])
-                if len(buffer) < end:
-                    break
-                response = engine_pb2.SessionResponse.FromString(bytes(buffer[start + HEADER_BYTES : end]))
-                start = end
-                self.handle(response)
+            for payload in payloads:
+                self.handle(engine_pb2.SessionResponse.FromString(payload))
+            if bad is not None:
+                raise bad
         except Exception as exc:  # a bad frame, or what the handler raised: the call ends
             self.buffer = bytearray()
             self._end(exc)
             self.close()
-            return
-        del buffer[:start]
 
     def eof_received(self) -> bool:
         return False  # the transport closes itself: connection_lost() follows
