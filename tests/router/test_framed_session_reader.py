@@ -148,3 +148,76 @@ def test_what_the_handler_raises_ends_the_call_and_is_raised():
     with pytest.raises(ValueError, match="a bug in the handler"):
         asyncio.run(_serve_against(peer, handle))
     assert len(got) == 2  # nothing after the failure
+
+
+def test_requests_and_aborts_reach_the_engine_once_and_in_order_through_flow_control():
+    """The engine gets every request and abort an ``EngineSession`` sends once, in the order
+    they were sent (each abort after its request): sent while the stream connects, while flow
+    control holds them back (an engine not reading ~30 MB of prompts), and as it lifts."""
+    from pdserve.router.engine_session import EngineSession
+
+    sent: list[str] = []  # "g:<id>" / "a:<id>", in the order the router sent them
+    received: list[str] = []
+    big_prompt = list(range(1 << 18))  # ~0.8 MB a request: a few fill the socket's buffers
+
+    async def main() -> None:
+        reading = asyncio.Event()
+
+        async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reading.wait()  # read nothing until the buffers are full
+            while not received or received[-1] != "g:last":
+                payload = await read_frame(reader)
+                assert payload is not None
+                message = engine_pb2.SessionRequest.FromString(payload)
+                if message.HasField("generate"):
+                    received.append(f"g:{message.generate.request_id}")
+                else:
+                    received.append(f"a:{message.abort_request_id}")
+                await asyncio.sleep(0)
+            writer.close()
+
+        server = await asyncio.start_server(peer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        stub = type("NoRpc", (), {"Session": staticmethod(_rpc_unused)})()
+        session = EngineSession(stub, f"127.0.0.1:{port}", lambda: port)  # type: ignore[arg-type]
+        streams = []
+
+        def generate(request_id: str, prompt: list[int]) -> None:
+            request = engine_pb2.EngineGenerateRequest(request_id=request_id, prompt_token_ids=prompt)
+            streams.append(session.open(request, 60))
+            sent.append(f"g:{request_id}")
+
+        def send(i: int, big: bool) -> None:
+            generate(f"r{i}", big_prompt if big else [i])
+            if i % 4 == 0:
+                streams[i - 2].cancel()  # an abort of a request sent before
+                sent.append(f"a:r{i - 2}")
+
+        try:
+            generate("r0", [1, 2, 3])  # while the stream connects: queued
+            await asyncio.sleep(0.2)  # connected now
+            for i in range(1, 40):  # ~30 MB the engine does not read yet: flow control pauses
+                send(i, big=i % 2 == 0)
+                await asyncio.sleep(0)
+            # Flow control lifting: what is sent before the queued ones went out waits behind them.
+            protocol = session._call.call._protocol  # type: ignore[union-attr]
+            protocol.pause_writing()
+            send(40, big=False)
+            protocol.resume_writing()
+            send(41, big=False)
+            reading.set()
+            for i in range(42, 400):  # more while the queued ones go out
+                send(i, big=i % 10 == 0)
+                await asyncio.sleep(0.0005 * (i % 3))
+            generate("last", [1])
+            for _ in range(600):
+                if received and received[-1] == "g:last":
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await session.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    assert received == sent
