@@ -230,8 +230,6 @@ class EngineConfig:
     # (pdserve.engine.cpu_lending): it borrows their cores while they are idle. None: no lending.
     cpu_board: str | None = None
     cpu_board_slot: int = 0
-    # Ask for transparent huge pages for the core's memory (pdserve.engine.huge_pages).
-    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.core_cpus is not None and (not self.core_cpus or min(self.core_cpus) < 0):
@@ -256,5 +254,4 @@ class EngineConfig:
             core_cpus=[int(c) for c in data["core_cpus"]] if data.get("core_cpus") is not None else None,
             cpu_board=data.get("cpu_board"),
             cpu_board_slot=int(data.get("cpu_board_slot", 0)),
-            huge_pages=bool(data.get("huge_pages", True)),
         )

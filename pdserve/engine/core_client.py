@@ -34,7 +34,6 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig
 from pdserve.engine import messages
-from pdserve.engine.huge_pages import core_env
 from pdserve.engine.outputs import EngineCoreOutput, SchedulerStats
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.session_stream import hand_over
@@ -77,7 +76,7 @@ def spawn_core(
             "--parent-pid", str(os.getpid()),
             *channel,
         ],
-        env={**os.environ, **core_env(config.huge_pages), **(env or {})},
+        env={**os.environ, **(env or {})},
         stdin=subprocess.PIPE,
         pass_fds=() if session_channel is None else (session_channel.fileno(),),
     )  # fmt: skip

@@ -25,7 +25,6 @@ from pdserve.engine.core import AbortRequests, EngineCore, EngineCoreRequest
 from pdserve.engine.core_sessions import CoreSessions
 from pdserve.engine.cpu_lending import CpuBoard, LentThreads
 from pdserve.engine.cpu_resources import allowed_cpus, configure_torch_threads, format_cpu_list, pin_threads
-from pdserve.engine.huge_pages import resident_huge_bytes, thp_mode
 from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.engine.model.arch import UnsupportedModelError
 from pdserve.engine.model.gguf_tokenizer import UnsupportedTokenizerError
@@ -296,14 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         server.send(messages.Ready(info))
         logger.info("engine core ready (%s)", info)
-        huge, resident = resident_huge_bytes()
-        logger.info(
-            "huge pages: %d of %d MiB resident (transparent huge pages: %s; %s)",
-            huge >> 20,
-            resident >> 20,
-            thp_mode(),
-            "asked for" if config.huge_pages else "not asked for: --no-huge-pages",
-        )
         server.serve()
     finally:
         if server is not None:

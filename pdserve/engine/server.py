@@ -511,14 +511,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "slot there: it borrows their cores while they are idle and lends its own (pdserve "
         "cluster passes it; see pdserve.engine.cpu_lending)",
     )
-    parser.add_argument(
-        "--huge-pages",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ask for transparent huge pages for the engine core's weights and KV cache (the "
-        "default; glibc.malloc.hugetlb=1 in its environment, where the kernel gives them on "
-        "request): one stream's tokens 7-15%% closer together on a 2-core VM",
-    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
@@ -613,7 +605,6 @@ def engine_config_from_args(args: argparse.Namespace, kv_role: str | None) -> En
         core_cpus=args.core_cpus,
         cpu_board=board_path,
         cpu_board_slot=board_slot,
-        huge_pages=args.huge_pages,
         kv_events=KVEventsConfig(host=args.host, port=args.kv_events_port)
         if args.kv_events_port is not None
         else None,
