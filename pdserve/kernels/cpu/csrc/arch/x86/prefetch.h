@@ -12,6 +12,14 @@
 
 #define PREFETCH_MIN_BYTES 2048
 
+/* The hint a decode kernel asks for a matrix's bytes with. A step reads every weight once, about
+ * 100 MB for the bundled model, far more than any cache holds, so nothing gains from keeping them:
+ * non-temporal, the lines come to L1 and leave without filling the caches behind it. The shared
+ * L3 then keeps what the other processes on the box run on (the router, the other engine; the
+ * KV cache). The kernels stream as fast either way; served, the router and one stream gain a little
+ * (docs/performance.md, bench step: "Weights asked for non-temporal"). */
+#define WEIGHT_HINT _MM_HINT_NTA
+
 static inline int64_t prefetch_ahead(int64_t one_core_bytes, int threads) {
     const int64_t ahead = one_core_bytes / (threads > 1 ? threads : 1);
     return ahead > PREFETCH_MIN_BYTES ? ahead : PREFETCH_MIN_BYTES;

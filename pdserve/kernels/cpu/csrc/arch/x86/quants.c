@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "isa.h"
+#include "prefetch.h"
 #include "avx2.h"
 #include "bf16.h"
 #include "blocks.h"
@@ -423,7 +424,7 @@ static inline __attribute__((always_inline)) void row_dots_avx2(int kind, const 
     for (int64_t b = 0; b < blocks; b++) {
         if (kind == 0 && b % 8 == 0) base = group_start_avx2(w_row, K, blocks, b, xsum, xsum_stride, rows, &d8, acc);
         if (b % 2 == 0) /* the rows after this one, a cache line ahead every 32-34 weights' bytes */
-            _mm_prefetch((const char *)(block_qs_avx2(kind, w_row, b) + ROW_PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(block_qs_avx2(kind, w_row, b) + ROW_PREFETCH_BYTES), WEIGHT_HINT);
         __m256 q[4];
         q_values_avx2(kind, block_qs_avx2(kind, w_row, b), q);
         const __m256 d = block_scale_avx2(kind, w_row, b, d8, base);
@@ -471,10 +472,10 @@ static inline __attribute__((always_inline)) void cols_dots_avx2(int kind, const
             if (kind == 0 && b % 4 == 0) { /* the next tile's row, a cache line at a time: its
                                              * bytes arrive while this tile computes */
                 const uint8_t *next_row = w_row + COLS_PER_TILE * row_bytes;
-                _mm_prefetch((const char *)(next_row + b * 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next_row + b * 16), WEIGHT_HINT);
                 if (b % 32 == 0) {
-                    _mm_prefetch((const char *)(next_row + K / 2 + b * 2), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(next_row + K / 2 + (blocks + b) * 2), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next_row + K / 2 + b * 2), WEIGHT_HINT);
+                    _mm_prefetch((const char *)(next_row + K / 2 + (blocks + b) * 2), WEIGHT_HINT);
                 }
             }
             if (kind == 0 && b % 8 == 0)

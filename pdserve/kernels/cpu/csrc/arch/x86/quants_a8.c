@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "isa.h"
+#include "prefetch.h"
 #include "avx2.h"
 #include "bf16.h"
 #include "blocks.h"
@@ -175,15 +176,15 @@ static inline __attribute__((always_inline)) void prefetch_group(int kind, const
                                                                  int64_t K, int64_t blocks, int64_t b, int ahead) {
     const uint8_t *next = ahead ? w_row + ahead * row_bytes : w_row + ROW_PREFETCH_BYTES;
     if (kind == 0) { /* 128 bytes of nibbles; the scales and minima every 32 blocks */
-        _mm_prefetch((const char *)(next + b * 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(next + b * 16 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(next + b * 16), WEIGHT_HINT);
+        _mm_prefetch((const char *)(next + b * 16 + 64), WEIGHT_HINT);
         if (b % 32 == 0) {
-            _mm_prefetch((const char *)(next + K / 2 + b * 2), _MM_HINT_T0);
-            _mm_prefetch((const char *)(next + K / 2 + (blocks + b) * 2), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + K / 2 + b * 2), WEIGHT_HINT);
+            _mm_prefetch((const char *)(next + K / 2 + (blocks + b) * 2), WEIGHT_HINT);
         }
     } else { /* 272 bytes */
         for (int line = 0; line < 5; line++)
-            _mm_prefetch((const char *)(next + b * Q8_0_BYTES + line * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + b * Q8_0_BYTES + line * 64), WEIGHT_HINT);
     }
 }
 
@@ -374,10 +375,10 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, in
              * 120 layer matrices at one row of x, streamed, took 3.2-3.5 ms two tiles ahead,
              * 2.5-2.6 eight ahead (2.6-2.75 four, 2.5-2.65 sixteen; one Zen 5 core) */
             const uint8_t *next = cols > 1 ? w_row + 8 * cols * row_bytes : w_row + ROW_PREFETCH_BYTES;
-            for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(next + g * 16 + line * 64), _MM_HINT_T0);
+            for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(next + g * 16 + line * 64), WEIGHT_HINT);
             if (g % 32 == 0) {
-                _mm_prefetch((const char *)(next + K / 2 + g * 2), _MM_HINT_T0);
-                _mm_prefetch((const char *)(next + K / 2 + (blocks + g) * 2), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + K / 2 + g * 2), WEIGHT_HINT);
+                _mm_prefetch((const char *)(next + K / 2 + (blocks + g) * 2), WEIGHT_HINT);
             }
             const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(group_mask, d_all + g));
             const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(group_mask, m_all + g));
@@ -454,7 +455,7 @@ static inline __attribute__((always_inline)) void tile_q8_0_vnni(const uint8_t *
         for (int c = 0; c < cols; c++) {
             const uint8_t *group = w + c * row_bytes + g * Q8_0_BYTES;
             const uint8_t *next = cols > 1 ? group + 8 * cols * row_bytes : group + ROW_PREFETCH_BYTES;
-            for (int line = 0; line < 9; line++) _mm_prefetch((const char *)(next + line * 64), _MM_HINT_T0);
+            for (int line = 0; line < 9; line++) _mm_prefetch((const char *)(next + line * 64), WEIGHT_HINT);
             const __m512 dw = q8_0_scales(group, in_group);
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) dd[c * rows + r] = _mm512_mul_ps(dw, _mm512_loadu_ps(x.d + r * x.stride + g));

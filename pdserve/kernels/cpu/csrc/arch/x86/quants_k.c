@@ -56,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "isa.h"
+#include "prefetch.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "quants.h"
@@ -510,7 +511,7 @@ static inline __attribute__((always_inline)) void row_dots_bf16(int kind, int ro
         for (int64_t b = 0; b < Kc / 256; b++) {
             if (t->prefetch)
                 for (int line = 0; line < bytes; line += 64)
-                    _mm_prefetch((const char *)(row + b * bytes + line + t->prefetch), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(row + b * bytes + line + t->prefetch), WEIGHT_HINT);
             if (kind == KIND_Q6_K)
                 group_q6k(row + b * bytes, c, t->x + b * 256, t->x_stride, rows, acc);
             else
@@ -522,7 +523,7 @@ static inline __attribute__((always_inline)) void row_dots_bf16(int kind, int ro
         for (int64_t g = 0; g < whole; g++) {
             if (t->prefetch)
                 for (int line = 0; line < 4 * bytes; line += 64)
-                    _mm_prefetch((const char *)(row + g * 4 * bytes + line + t->prefetch), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(row + g * 4 * bytes + line + t->prefetch), WEIGHT_HINT);
             group_q32(kind, row + g * 4 * bytes, c, t->x + g * 128, t->x_stride, t->xsum + 16 * g, t->xsum_stride,
                       rows, acc);
         }

@@ -455,7 +455,7 @@ static inline void copy_last(int kind, const Job *job, int64_t n, uint8_t *last)
 /* A unit's bytes from `at`, one prefetch a cache line. */
 static inline __attribute__((always_inline)) void prefetch_unit(int kind, const uint8_t *at) {
     for (int line = 0; line < (int)((unit_bytes(kind, 16) + 63) / 64); line++)
-        _mm_prefetch((const char *)(at + 64 * line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(at + 64 * line), WEIGHT_HINT);
 }
 
 /*
@@ -813,7 +813,7 @@ static inline __attribute__((always_inline)) void rows8_single(int kind, const J
                 at[c] = step_at(kind, job, n + c, s, last[c]);
                 const uint8_t *next = job->w + (n + c) * job->row_bytes + s * step +
                                       (cols > 1 ? K8_COLS * job->row_bytes : ROW_PREFETCH_BYTES);
-                for (int line = 0; line < lines; line++) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T0);
+                for (int line = 0; line < lines; line++) _mm_prefetch((const char *)(next + 64 * line), WEIGHT_HINT);
             }
             for (int h = 0; h < 2; h++) {
                 const uint8_t *x = job->x + (2 * s + h) * record_bytes(kind, 8);
@@ -854,7 +854,7 @@ static inline __attribute__((always_inline)) void rows8_batch(int kind, const Jo
                     const uint8_t *at = step_at(kind, job, block + i, s, last);
                     if (i + 2 < block_rows) /* two rows on, at the same place */
                         for (int line = 0; line < (unit_bytes(kind, 16) + 63) / 64; line++)
-                            _mm_prefetch((const char *)(at + 2 * job->row_bytes + 64 * line), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(at + 2 * job->row_bytes + 64 * line), WEIGHT_HINT);
                     for (int h = 0; h < 2; h++) {
                         const Unit8 unit = unit8(kind, at, h, job->lanes);
                         const uint8_t *x = records + (2 * s + h) * job->M * record_bytes(kind, 8);

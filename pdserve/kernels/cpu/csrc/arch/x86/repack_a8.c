@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
     for (int r = 0; r < rows; r++) acc[r] = mins[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * X16 * Q4_1_BYTES;
-        for (int line = 0; line < 5; line++) _mm_prefetch((const char *)chunk + ahead + 64 * line, _MM_HINT_T0);
+        for (int line = 0; line < 5; line++) _mm_prefetch((const char *)chunk + ahead + 64 * line, WEIGHT_HINT);
         __m512i lo[4], hi[4];
         for (int i = 0; i < 4; i++) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * i);
@@ -84,7 +84,7 @@ static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *grou
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * X16 * Q8_0_BYTES;
-        for (int line = 0; line < 9; line++) _mm_prefetch((const char *)chunk + ahead + 64 * line, _MM_HINT_T0);
+        for (int line = 0; line < 9; line++) _mm_prefetch((const char *)chunk + ahead + 64 * line, WEIGHT_HINT);
         __m512i weights[8];
         for (int i = 0; i < 8; i++) weights[i] = _mm512_loadu_si512(chunk + 64 * i);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(chunk + 512)));
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void group_gguf(int kind, const uin
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * chunk_bytes;
         for (int line = 0; line < chunk_bytes / 64; line++)
-            _mm_prefetch((const char *)chunk + ahead + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)chunk + ahead + 64 * line, WEIGHT_HINT);
         __m512i lo[4], hi[4];
         for (int i = 0; i < 4; i++) {
             const __m512i bytes = _mm512_loadu_si512(chunk + 64 * i);
@@ -188,7 +188,7 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
     for (int64_t sb = 0; sb < supers; sb++) {
         const uint8_t *chunk = group + sb * chunk_bytes, *head = chunk + 32 * 64;
         for (int line = 0; line < 4; line++) /* the words' lines are asked for pair by pair below */
-            _mm_prefetch((const char *)head + ahead + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)head + ahead + 64 * line, WEIGHT_HINT);
         __m512i v[3];
         for (int k = 0; k < 3; k++) v[k] = _mm512_loadu_si512(head + 64 * k);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 192)));
@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
         for (int t = 0; t < 4; t++) { /* a pair of sub-blocks: 8 vectors, low nibbles then high */
             const uint8_t *words = chunk + 64 * 8 * t;
             for (int line = 0; line < 8; line++)
-                _mm_prefetch((const char *)words + ahead + 64 * line, _MM_HINT_T0);
+                _mm_prefetch((const char *)words + ahead + 64 * line, WEIGHT_HINT);
             __m512i bytes[8];
             for (int i = 0; i < 8; i++) bytes[i] = _mm512_loadu_si512(words + 64 * i);
             for (int h = 0; h < 2; h++) {

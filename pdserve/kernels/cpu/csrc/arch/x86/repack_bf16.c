@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "isa.h"
+#include "prefetch.h"
 #include "bf16.h"
 #include "blocks.h"
 #include "repack.h"
@@ -71,7 +72,7 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * bytes;
         for (int line = 0; line < (bytes + 63) / 64; line++)
-            _mm_prefetch((const char *)chunk + BF16_X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)chunk + BF16_X16_PREFETCH_BYTES + 64 * line, WEIGHT_HINT);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(chunk + 64 * 4)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(chunk + 64 * 4 + 32)));
         const __m512 offset_m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), m); /* m - 128 d */
@@ -100,7 +101,7 @@ static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *grou
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *chunk = group + b * bytes;
         for (int line = 0; line < (bytes + 63) / 64; line++)
-            _mm_prefetch((const char *)chunk + BF16_X16_PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)chunk + BF16_X16_PREFETCH_BYTES + 64 * line, WEIGHT_HINT);
         __m512 chain[BF16_X16_ROWS][2];
         for (int r = 0; r < rows; r++) chain[r][0] = chain[r][1] = _mm512_setzero_ps();
         for (int i = 0; i < 8; i++) {
