@@ -82,9 +82,14 @@ class TextStream:
                 self._held_from, self._settled = len(self.token_ids), ""
             else:
                 held = len(self.token_ids) - self._held_from
-                # Each look decodes every held token: a long run is looked at ~16 times as often
-                # as it doubles (at 200 held tokens every 12th), not at every token.
-                if held > MAX_HELD_TOKENS and (held - MAX_HELD_TOKENS) % max(1, held // 16) == 0:
+                # Each look decodes every held token, so a long run is not looked at on every
+                # token: every (held / 16)th, but at least every MAX_HELD_TOKENS-th. Looks
+                # further apart (every 12th at 200 held tokens) left a client 12 steps without
+                # text: 278 ms on two busy cores, past a 250 ms gap SLO (bench peers --scenario
+                # long). A run of n tokens costs n / 4 decodes of up to n tokens: ~0.1 s of CPU
+                # for 2,048 tokens of invalid bytes (~35 ms before), a few ms for 256.
+                every = min(max(1, held // 16), MAX_HELD_TOKENS)
+                if held > MAX_HELD_TOKENS and (held - MAX_HELD_TOKENS) % every == 0:
                     self.text += self._settle()
             full = self.text
         end = len(full)

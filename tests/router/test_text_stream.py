@@ -76,9 +76,11 @@ def test_streamed_text_is_always_a_prefix_of_the_whole_text(tokenizer):
         assert sent + deltas[-1] == whole, ids
 
 
-def test_bytes_that_are_no_utf8_are_not_held_until_the_end(tokenizer):
-    # Continuation bytes with no lead byte: never a character, however many follow.
-    ids = [_byte_token(tokenizer, 0x80 + i % 0x40) for i in range(40)] + tokenizer.encode(" done")
+@pytest.mark.parametrize("length", [40, 300])
+def test_bytes_that_are_no_utf8_are_not_held_until_the_end(tokenizer, length):
+    # Continuation bytes with no lead byte: never a character, however many follow. A long run
+    # too: its text must keep coming every few tokens (a client's gap SLO), not ever rarer.
+    ids = [_byte_token(tokenizer, 0x80 + i % 0x40) for i in range(length)] + tokenizer.encode(" done")
     deltas = _stream(tokenizer, ids)
     silent = max(len(run) for run in "".join("x" if d else "." for d in deltas).split("x"))
     assert silent <= MAX_HELD_TOKENS, deltas
