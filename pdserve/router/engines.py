@@ -62,6 +62,7 @@ class EngineHandle:
     # A decode engine's requests sent it whole (no KV to pull) that have not produced a token yet:
     # the prompts it is prefilling itself.
     local_prefills: int = 0
+    local_prefill_tokens: int = 0  # their uncached prompt tokens
     retired: bool = False  # its DNS name no longer lists it: no new requests, dropped when idle
     # Recently sent prompt blocks (an LRU of chained block hashes): what its prefix cache may hold.
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)

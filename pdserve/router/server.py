@@ -33,6 +33,7 @@ from pdserve.router.kv_subscriber import KVEventTracker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import DEFAULT_KV_LOAD_WEIGHT, POLICIES, RoutingPolicy
 from pdserve.router.service import (
+    DEFAULT_MAX_LOCAL_PREFILL_QUEUE_TOKENS,
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     DEFAULT_MAX_PREFILL_QUEUE,
     DEFAULT_MAX_PREFILL_QUEUE_TOKENS,
@@ -118,6 +119,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="--max-prefill-queue moves prompts of at most this many uncached tokens to decode",
     )
     parser.add_argument(
+        "--max-local-prefill-queue-tokens",
+        type=int,
+        default=DEFAULT_MAX_LOCAL_PREFILL_QUEUE_TOKENS,
+        help="a decode engine prefilling prompts that way takes another only while their uncached "
+        "tokens together stay within this (one prefilling nothing always takes one)",
+    )
+    parser.add_argument(
         "--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED (HTTP 429)"
     )
     parser.add_argument(
@@ -182,6 +190,7 @@ async def serve_router(
         max_prefill_queue=args.max_prefill_queue,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
+        max_local_prefill_queue_tokens=args.max_local_prefill_queue_tokens,
     )
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],

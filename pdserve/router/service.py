@@ -119,6 +119,11 @@ DEFAULT_MAX_PREFILL_QUEUE_TOKENS = 1024
 # The longest uncached prompt a decode engine takes whole that way: its other streams wait for
 # that prefill's step.
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1024
+# A decode engine already prefilling prompts whole takes another only while their uncached tokens
+# together stay within this (one prefilling nothing always takes one): two of the long scenario's
+# 64-token stream prompts, one step of ~190 ms on the Zen 4 within its 250 ms gap SLO, while the
+# 8-stream sweep's 256-token prompts stay one at a time.
+DEFAULT_MAX_LOCAL_PREFILL_QUEUE_TOKENS = 128
 # Inter-token gaps of a sink's tokens observed together (``RouterServicer._relay``).
 ITL_BATCH = 16
 
@@ -136,6 +141,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_prefill_queue: int = 0,
         max_prefill_queue_tokens: int = 0,
         max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        max_local_prefill_queue_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_QUEUE_TOKENS,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
@@ -146,6 +152,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.max_prefill_queue = max_prefill_queue
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.max_local_prefill_queue_tokens = max_local_prefill_queue_tokens
         self.max_inflight = max_inflight
         self.trace = trace or TraceLog(None)
         self.live: dict[str, LiveRequest] = {}
@@ -347,7 +354,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             not short
             and bool(prefills)
             and uncached <= self.max_local_prefill_tokens
-            and self._prefill_backlogged(prefills, decodes)
+            and self._prefill_backlogged(prefills, decodes, uncached)
         )
         direct = not prefills or short or backlogged
         self.metrics.routed_by(
@@ -421,26 +428,48 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             await decoded.aclose()
 
-    def _prefill_backlogged(self, prefills: list[EngineHandle], decodes: list[EngineHandle]) -> bool:
-        """True when a prompt is better prefilled on a decode engine: every prefill engine has at
-        least ``max_prefill_queue`` prompts, or ``max_prefill_queue_tokens`` uncached prompt
-        tokens, in its prefill stage (queued or running) and some decode engine is prefilling
-        none itself. Tokens, since a prompt waits for the tokens ahead of it: one 1500-token
-        prompt is a second of a core's prefill, which a 64-token prompt behind it would wait
-        for (its own prefill on a decode engine holds that engine's streams up for one ~35 ms
-        step). As Dynamo's disaggregated router does with its
-        prefill queue: a prefill engine is one core's worth of prompts, and when it falls behind
-        (8 streams of 256-token prompts on two cores) the decode engine, idle between short
-        steps, would otherwise wait for it; at most one such prompt at a time per decode engine,
-        so its streams' steps are held up by one prefill chunk, not a queue of them. Never with
-        ``max_prefill_queue`` 0, nor with ``disagg_min_tokens`` 0, which promises P/D always."""
+    def _prefill_backlogged(
+        self, prefills: list[EngineHandle], decodes: list[EngineHandle], uncached: int
+    ) -> bool:
+        """True when a prompt of ``uncached`` tokens is better prefilled on a decode engine: every
+        prefill engine has at least ``max_prefill_queue`` prompts, or ``max_prefill_queue_tokens``
+        uncached prompt tokens, in its prefill stage (queued or running) and some decode engine
+        can take it (``_takes_local_prefill``). Tokens, since a prompt waits for the tokens ahead
+        of it: one 1500-token prompt is a second of a core's prefill, which a 64-token prompt
+        behind it would wait for (its own prefill on a decode engine holds that engine's streams
+        up for one ~35 ms step). As Dynamo's disaggregated router does with its prefill queue: a
+        prefill engine is one core's worth of prompts, and when it falls behind (8 streams of
+        256-token prompts on two cores) the decode engine, idle between short steps, would
+        otherwise wait for it. Never with ``max_prefill_queue`` 0, nor with
+        ``disagg_min_tokens`` 0, which promises P/D always."""
         if self.max_prefill_queue <= 0 or self.disagg_min_tokens <= 0:  # 0: always P/D
             return False
         by_tokens = self.max_prefill_queue_tokens > 0 and all(
             e.in_flight_tokens >= self.max_prefill_queue_tokens for e in prefills
         )
         by_prompts = all(e.in_flight >= self.max_prefill_queue for e in prefills)
-        return (by_prompts or by_tokens) and any(e.local_prefills == 0 for e in decodes)
+        return (by_prompts or by_tokens) and any(self._takes_local_prefill(e, uncached) for e in decodes)
+
+    def _takes_local_prefill(self, engine: EngineHandle, uncached: int) -> bool:
+        """Whether a decode engine takes one more prompt whole under the backlog rule: always when
+        it is prefilling none itself, else while the prompts it is prefilling and this one come to
+        at most ``max_local_prefill_queue_tokens`` uncached tokens. Its streams wait for those
+        prefills' step, so a few short prompts at once (the long scenario's 64-token streams,
+        which would otherwise queue at the prefill engine behind seconds of long prompts) but
+        never two 256-token ones."""
+        return engine.local_prefills == 0 or (
+            engine.local_prefill_tokens + uncached <= self.max_local_prefill_queue_tokens
+        )
+
+    def _expected_hit_blocks(self, engine: EngineHandle, tokens: list[int], block_hashes: list) -> int:
+        """The prompt's blocks ``engine``'s prefix cache is expected to hold. The last token is
+        never a cache hit (its logits must be computed)."""
+        block_size = self._limits()[2]
+        return min(self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // block_size)
+
+    def _uncached(self, engine: EngineHandle, tokens: list[int], block_hashes: list) -> int:
+        """The prompt tokens ``engine`` is expected to compute."""
+        return len(tokens) - self._expected_hit_blocks(engine, tokens, block_hashes) * self._limits()[2]
 
     async def _decode(
         self,
@@ -541,16 +570,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not candidates:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} engine")
             if local_prefill:
-                # An engine busy prefilling another prompt is the last choice.
+                # An engine busy prefilling other prompts is the second choice, and one whose
+                # prefills this prompt would take past the budget the last.
                 idle = [e for e in candidates if e.local_prefills == 0]
-                engine = self.policy.pick(idle or candidates, block_hashes)
+                fitting = idle or [
+                    e
+                    for e in candidates
+                    if self._takes_local_prefill(e, self._uncached(e, tokens, block_hashes))
+                ]
+                engine = self.policy.pick(fitting or candidates, block_hashes)
             else:
                 engine = self.policy.pick(candidates, block_hashes)
-            # The last token is never a cache hit (its logits must be computed).
             block_size = self._limits()[2]
-            live.expected_hit_blocks[role] = min(
-                self.policy.expected_blocks(engine, block_hashes), (len(tokens) - 1) // block_size
-            )
+            live.expected_hit_blocks[role] = self._expected_hit_blocks(engine, tokens, block_hashes)
             self.policy.routed(engine, block_hashes)  # after the expectation: not its own blocks
             tried.add(engine.address)
             live.engines.append(engine)
@@ -563,6 +595,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefilling = local_prefill  # until its first message
             if prefilling:
                 engine.local_prefills += 1
+                engine.local_prefill_tokens += uncached_tokens
             try:
                 # On the engine's Session stream (one message a step for all of this router's
                 # requests there), iterated as a Generate call would be, with its status codes.
@@ -582,6 +615,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if prefilling:
                         prefilling = False
                         engine.local_prefills -= 1
+                        engine.local_prefill_tokens -= uncached_tokens
                     produced = True
                     if message.finish_reason:
                         # Its prefix cache now holds the prompt (remembered before the caller,
@@ -635,6 +669,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     call.close()  # left early (the caller closed this stage): the engine aborts it
                 if prefilling:
                     engine.local_prefills -= 1
+                    engine.local_prefill_tokens -= uncached_tokens
                 engine.in_flight -= 1
                 engine.in_flight_tokens -= uncached_tokens
                 self.metrics.in_flight_by(role=role, engine=engine.address).set(engine.in_flight)

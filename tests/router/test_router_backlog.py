@@ -4,7 +4,9 @@ the next prompt whole, and the answer is the one the disaggregated path gives.
 
 Real processes (``LocalCluster``, the tiny model). The prefill engine is stopped (SIGSTOP) so
 that its queue is known, not raced: one prompt sits in it, the next goes to decode; a prompt
-longer than ``--max-local-prefill-tokens`` waits for the prefill engine all the same.
+longer than ``--max-local-prefill-tokens`` waits for the prefill engine all the same, and so
+does a short one that would take a decode engine's prompts in prefill past
+``--max-local-prefill-queue-tokens``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,47 @@ def test_a_backlogged_prefill_engine_hands_the_next_prompt_to_decode(cluster, ti
         assert stats and all(is_idle(s) for s in stats), stats
     after = _routed(cluster)
     assert after.get("backlog_colocated", 0) - before.get("backlog_colocated", 0) == 1
+    assert after.get("disaggregated", 0) - before.get("disaggregated", 0) == 2
+
+
+def test_a_decode_engine_takes_short_prompts_whole_within_its_token_budget(cluster, tiny_llm):
+    """Two 60-token prompts are prefilled on the decode engine at once (120 tokens, within the
+    default budget of 128), a third waits for the prefill engine: the decode engine is stopped
+    too, so all three arrive while it is still prefilling."""
+    prompts = [
+        tiny_llm.tokenizer.encode(f"Note {k}: " + long_text(900, start=20 + k))[:n]
+        for k, n in enumerate((150, 60, 60, 60))
+    ]
+    expected = [
+        c.token_ids
+        for c in tiny_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    ]
+    before = _routed(cluster)
+    with Client(cluster.router_address) as client, ThreadPoolExecutor(4) as pool:
+
+        def generate(prompt: list[int]):
+            return client.generate(
+                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0
+            )
+
+        with frozen(cluster.procs["prefill-0"].pid):
+            queued = pool.submit(generate, prompts[0])  # the prefill engine's one prompt
+            time.sleep(1.0)
+            with frozen(cluster.procs["decode-0"].pid):
+                handed = [pool.submit(generate, prompt) for prompt in prompts[1:3]]
+                time.sleep(0.5)  # both sent to decode, which cannot answer yet
+                waiting = pool.submit(generate, prompts[3])
+                time.sleep(0.5)
+            done = [future.result(timeout=60.0) for future in handed]  # while prefill is stopped
+            assert not waiting.done()
+        completions = [queued.result(timeout=60.0), *done, waiting.result(timeout=60.0)]
+        assert [c.token_ids for c in completions] == expected
+        prefill_engines = [c.metrics["prefill_engine"] for c in completions]
+        assert prefill_engines == [cluster.prefill_addresses[0], "", "", cluster.prefill_addresses[0]]
+        stats = wait_idle(client)
+        assert stats and all(is_idle(s) for s in stats), stats
+    after = _routed(cluster)
+    assert after.get("backlog_colocated", 0) - before.get("backlog_colocated", 0) == 2
     assert after.get("disaggregated", 0) - before.get("disaggregated", 0) == 2
 
 
