@@ -11,6 +11,7 @@ does a short one that would take a decode engine's prompts in prefill past
 
 from __future__ import annotations
 
+import functools
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -48,23 +49,25 @@ def _routed(cluster: LocalCluster) -> dict[str, float]:
     return counts
 
 
+def _reference(llm, prompts: list[list[int]]) -> list[list[int]]:
+    """The tokens the in-process engine gives each prompt."""
+    return [
+        c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    ]
+
+
+def _generate(client: Client, prompt: list[int]):
+    return client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0)
+
+
 def test_a_backlogged_prefill_engine_hands_the_next_prompt_to_decode(cluster, tiny_llm):
     first, second, too_long = prompts_of_lengths(
         tiny_llm.tokenizer, [120, 130, MAX_LOCAL_PREFILL_TOKENS + 50]
     )
-    expected = [
-        c.token_ids
-        for c in tiny_llm.generate(
-            [first, second, too_long], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        )
-    ]
+    expected = _reference(tiny_llm, [first, second, too_long])
     before = _routed(cluster)
     with Client(cluster.router_address) as client, ThreadPoolExecutor(3) as pool:
-
-        def generate(prompt: list[int]):
-            return client.generate(
-                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0
-            )
+        generate = functools.partial(_generate, client)
 
         with frozen(cluster.procs["prefill-0"].pid):
             queued = pool.submit(generate, first)  # the prefill engine's one prompt: it cannot answer
@@ -94,17 +97,10 @@ def test_a_decode_engine_takes_short_prompts_whole_within_its_token_budget(clust
         tiny_llm.tokenizer.encode(f"Note {k}: " + long_text(900, start=20 + k))[:n]
         for k, n in enumerate((150, 60, 60, 60))
     ]
-    expected = [
-        c.token_ids
-        for c in tiny_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    ]
+    expected = _reference(tiny_llm, prompts)
     before = _routed(cluster)
     with Client(cluster.router_address) as client, ThreadPoolExecutor(4) as pool:
-
-        def generate(prompt: list[int]):
-            return client.generate(
-                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0
-            )
+        generate = functools.partial(_generate, client)
 
         with frozen(cluster.procs["prefill-0"].pid):
             queued = pool.submit(generate, prompts[0])  # the prefill engine's one prompt
@@ -146,10 +142,7 @@ def test_one_long_prompt_in_prefill_hands_a_short_one_to_decode(tiny_model_dir, 
         tiny_llm.tokenizer.encode(f"Item {k}: " + long_text(2000, start=40 + k))[:n]
         for k, n in enumerate((260, 60, 70, 50))
     ]
-    expected = [
-        c.token_ids
-        for c in tiny_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    ]
+    expected = _reference(tiny_llm, prompts)
     with (
         LocalCluster(
             1, 1, model=tiny_model_dir, engine_args=TINY_ENGINE_ARGS, router_args=router_args
@@ -157,11 +150,7 @@ def test_one_long_prompt_in_prefill_hands_a_short_one_to_decode(tiny_model_dir, 
         Client(cluster.router_address) as client,
         ThreadPoolExecutor(2) as pool,
     ):
-
-        def generate(prompt: list[int]):
-            return client.generate(
-                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60.0
-            )
+        generate = functools.partial(_generate, client)
 
         completions = []
         with frozen(cluster.procs["prefill-0"].pid):
