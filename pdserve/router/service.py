@@ -121,8 +121,8 @@ DEFAULT_MAX_PREFILL_QUEUE_TOKENS = 1024
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1024
 # A decode engine already prefilling prompts whole takes another only while their uncached tokens
 # together stay within this (one prefilling nothing always takes one): two of the long scenario's
-# 64-token stream prompts, one step of ~190 ms on the Zen 4 within its 250 ms gap SLO, while the
-# 8-stream sweep's 256-token prompts stay one at a time.
+# 64-token stream prompts (its streams' longest gap was then 117-182 ms on the Zen 4, within its
+# 250 ms SLO), while the 8-stream sweep's 256-token prompts stay one at a time.
 DEFAULT_MAX_LOCAL_PREFILL_QUEUE_TOKENS = 128
 # Inter-token gaps of a sink's tokens observed together (``RouterServicer._relay``).
 ITL_BATCH = 16
