@@ -59,10 +59,10 @@ class EngineHandle:
     in_flight: int = 0  # requests the router has running on this engine
     # Their prompt tokens not expected in its prefix cache: on a prefill engine, the work queued.
     in_flight_tokens: int = 0
-    # A decode engine's requests sent it whole (no KV to pull) that have not produced a token yet:
-    # the prompts it is prefilling itself.
-    local_prefills: int = 0
-    local_prefill_tokens: int = 0  # their uncached prompt tokens
+    # The uncached prompt tokens of a decode engine's requests sent it whole (no KV to pull) that
+    # have not produced a token yet: the prompts it is prefilling itself. Each counts at least its
+    # last token (never a cache hit), so 0 means none.
+    local_prefill_tokens: int = 0
     retired: bool = False  # its DNS name no longer lists it: no new requests, dropped when idle
     # Recently sent prompt blocks (an LRU of chained block hashes): what its prefix cache may hold.
     recent_blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)

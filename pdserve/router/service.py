@@ -457,7 +457,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prefills' step, so a few short prompts at once (the long scenario's 64-token streams,
         which would otherwise queue at the prefill engine behind seconds of long prompts) but
         never two 256-token ones."""
-        return engine.local_prefills == 0 or (
+        return engine.local_prefill_tokens == 0 or (
             engine.local_prefill_tokens + uncached <= self.max_local_prefill_queue_tokens
         )
 
@@ -572,7 +572,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if local_prefill:
                 # An engine busy prefilling other prompts is the second choice, and one whose
                 # prefills this prompt would take past the budget the last.
-                idle = [e for e in candidates if e.local_prefills == 0]
+                idle = [e for e in candidates if e.local_prefill_tokens == 0]
                 fitting = idle or [
                     e
                     for e in candidates
@@ -594,7 +594,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             call: SessionStream | None = None
             prefilling = local_prefill  # until its first message
             if prefilling:
-                engine.local_prefills += 1
                 engine.local_prefill_tokens += uncached_tokens
             try:
                 # On the engine's Session stream (one message a step for all of this router's
@@ -614,7 +613,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for message in call:
                     if prefilling:
                         prefilling = False
-                        engine.local_prefills -= 1
                         engine.local_prefill_tokens -= uncached_tokens
                     produced = True
                     if message.finish_reason:
@@ -668,7 +666,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if call is not None:
                     call.close()  # left early (the caller closed this stage): the engine aborts it
                 if prefilling:
-                    engine.local_prefills -= 1
                     engine.local_prefill_tokens -= uncached_tokens
                 engine.in_flight -= 1
                 engine.in_flight_tokens -= uncached_tokens
