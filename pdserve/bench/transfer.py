@@ -95,8 +95,7 @@ def _serve_main(conn: Any, transport: str, num_blocks: int, timeout_s: float) ->
             transport, cache, role="producer", engine_id="bench-prefill", transfer_timeout_s=timeout_s
         )
         conn.send_bytes(msgpack.packb({"event": "ready", "metadata": server.local_metadata()}))
-        while not conn.poll(0.05):
-            server.poll_served()  # what the producer connector would do: blocks can be freed
+        conn.poll(None)  # serve until told to stop (an engine's way: no served reads kept)
         server.close()
         conn.send_bytes(msgpack.packb({"event": "closed"}))
     except Exception as exc:

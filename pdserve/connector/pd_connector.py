@@ -140,6 +140,7 @@ class PDConnector(KVConnectorBase):
         num_tokens = request.num_prompt_tokens  # the sampled first token has no KV yet
         held = block_ids[: -(-num_tokens // self.block_size)]
         self.leases.add(req_id, held)
+        self._expect_reads()
         request.mark("lease_registered")
         assert self.side_channel is not None, "register_kv_caches() was not called"
         return True, KVTransferParams(
@@ -156,6 +157,12 @@ class PDConnector(KVConnectorBase):
 
     def request_released(self, request_id: str) -> None:
         self.leases.drop(request_id)
+        self._expect_reads()
+
+    def _expect_reads(self) -> None:
+        """Tell the transport whether a decode engine may read now: while a lease is held."""
+        if self.transport is not None:
+            self.transport.expect_reads(len(self.leases) > 0)
 
     # ================================================================ worker side
 
@@ -234,6 +241,8 @@ class PDConnector(KVConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done_sending = self.leases.take_done() if self.is_producer else set()
+        if done_sending:
+            self._expect_reads()
         done_recving: set[str] = set()
         if self.worker is not None:
             done_recving, invalid = self.worker.take_finished()

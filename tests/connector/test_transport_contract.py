@@ -36,7 +36,9 @@ def _cache(seed: int | None = None) -> torch.Tensor:
 @pytest.fixture
 def pair():
     """A serving and a reading TCP transport in this process, the reader knowing the server."""
-    server = create_transport("tcp", _cache(seed=1), role="producer", engine_id="prefill", spec=SPEC)
+    server = create_transport(
+        "tcp", _cache(seed=1), role="producer", engine_id="prefill", spec=SPEC, track_served=True
+    )
     reader = create_transport(
         "tcp", _cache(), role="consumer", engine_id="decode", spec=SPEC, transfer_timeout_s=5
     )
@@ -111,6 +113,32 @@ def test_read_moves_exact_bytes_and_reports_once(pair):
         served = server.poll_served()
         time.sleep(0.01)
     assert [(s.transfer_id, s.reader) for s in served] == [("r1", "decode")]
+
+
+def test_a_producer_built_as_the_engines_build_it_keeps_no_served_reads():
+    """The engines free blocks on the side channel's release, never on ``poll_served``: a
+    serving transport keeps served reads only when asked to, else one entry a request would
+    pile up for as long as the engine runs."""
+    server = create_transport("tcp", _cache(seed=1), role="producer", engine_id="prefill", spec=SPEC)
+    reader = create_transport(
+        "tcp", _cache(), role="consumer", engine_id="decode", spec=SPEC, transfer_timeout_s=5
+    )
+    try:
+        reader.add_remote("prefill", server.local_metadata())
+        for i in range(3):
+            reader.start_read(f"r{i}", "prefill", [i, 8 + i], [2 * i, 2 * i + 1])
+        results = []
+        deadline = time.time() + 10
+        while len(results) < 3 and time.time() < deadline:
+            results += reader.wait(1.0)
+        assert sorted((r.transfer_id, r.ok) for r in results) == [("r0", True), ("r1", True), ("r2", True)]
+        assert torch.equal(reader.kv_cache[[0, 1, 2, 3, 4, 5]], server.kv_cache[[0, 8, 1, 9, 2, 10]])
+        with pytest.raises(RuntimeError, match="track_served=True"):
+            server.poll_served()
+        assert not server._served
+    finally:
+        reader.close()
+        server.close()
 
 
 def test_many_reads_in_flight_all_complete(pair):

@@ -49,7 +49,7 @@ def _prefill_main(conn: Any, transport: str, options: dict[str, Any]) -> None:
     expected = msgpack.unpackb(conn.recv_bytes())  # transfer ids decode expects us to report
     served: list[str] = []
     deadline = time.time() + 5.0
-    while not set(expected) <= set(served) and time.time() < deadline:
+    while server.track_served and not set(expected) <= set(served) and time.time() < deadline:
         served += [s.transfer_id for s in server.poll_served() if s.reader == "decode"]
         time.sleep(0.005)
     server.close()
@@ -119,12 +119,15 @@ def prefills():
     children: dict[tuple[str, str], Prefill] = {}
     for transport in ALL_TRANSPORTS:
         if unavailable_reason(transport) is None:
-            children["exact", transport] = Prefill(transport)
+            # "exact" lists the reads it served; "killed" serves as an engine does, keeping none.
+            children["exact", transport] = Prefill(transport, track_served=True)
             children["killed", transport] = Prefill(transport)
+    if unavailable_reason("nixl") is None:
+        children["engine", "nixl"] = Prefill("nixl")
     block = SPEC.bytes_per_block
     for action in FAULTS:
         fault = {"after_bytes": block + block // 2, "action": action, "times": 1}
-        children["fault", action] = Prefill("tcp", fault=fault)
+        children["fault", action] = Prefill("tcp", fault=fault, track_served=True)
     yield children
     for child in children.values():
         child.kill()
@@ -197,6 +200,47 @@ def test_decode_reads_scattered_blocks_into_other_blocks_exactly(transport, pref
     served = prefill.served(["a", "b", "c", "again"])
     if transport_class(transport).reports_served:  # shm: prefill takes no part in a read
         assert set(served) >= {"a", "b", "c", "again"}
+
+
+def test_nixl_prefill_whose_driver_sleeps_is_still_read_exactly_on_one_host(prefills):
+    """A NIXL producer built as the engines build it keeps no served reads, and one told to
+    expect no reads (an idle prefill engine, holding no lease) never wakes its driver. On one
+    host a read is one-sided (CMA), so every read, the first one too, is exact all the same."""
+    _needs("nixl")
+    prefill = prefills["engine", "nixl"].ready()
+    reader = _decode("nixl", prefill)
+    try:
+        source = _source_cache()
+        for i in range(4):
+            reader.start_read(f"r{i}", "prefill", [2 * i, 40 + i], [i, 20 + i])
+        results = _wait_all(reader, 4, 10.0)
+        assert sorted((r.transfer_id, r.ok) for r in results) == [(f"r{i}", True) for i in range(4)]
+        for i in range(4):
+            assert torch.equal(reader.kv_cache[[i, 20 + i]], source[[2 * i, 40 + i]])
+    finally:
+        reader.close()
+    assert prefill.served(["r0"]) == []
+
+
+def test_nixl_producer_wakes_to_make_progress_only_while_it_expects_reads():
+    """Fetching notifications is how a NIXL producer makes progress, which a read over UCX's
+    TCP (no one-sided reads) needs from its side, and it costs a wake-up every few ms. So it
+    polls only while told to expect reads (the P/D connector: while it holds a lease) or while
+    it keeps served reads, and otherwise sleeps until asked for something."""
+    _needs("nixl")
+    with create_transport("nixl", SPEC.allocate(NUM_BLOCKS), role="producer", spec=SPEC) as engine:
+        assert engine._idle_wait() is None
+        engine.expect_reads(True)
+        assert engine._idle_wait() is not None
+        engine.expect_reads(False)
+        assert engine._idle_wait() is None
+    with create_transport(
+        "nixl", SPEC.allocate(NUM_BLOCKS), role="producer", spec=SPEC, track_served=True
+    ) as tracking:
+        assert tracking._idle_wait() is not None
+    with create_transport("nixl", SPEC.allocate(NUM_BLOCKS), role="consumer", spec=SPEC) as reader:
+        reader.expect_reads(True)  # a reader serves nothing: it never polls
+        assert reader._idle_wait() is None
 
 
 @pytest.mark.parametrize("transport", ALL_TRANSPORTS)

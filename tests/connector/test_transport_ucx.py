@@ -25,7 +25,9 @@ def closed_server() -> Any:
     reason = unavailable_reason("ucx")
     if reason is not None:
         pytest.skip(f"ucx not available: {reason}")
-    server = create_transport("ucx", torch.zeros((4, 2, 8)), role="producer", engine_id="prefill")
+    server = create_transport(
+        "ucx", torch.zeros((4, 2, 8)), role="producer", engine_id="prefill", track_served=True
+    )
     server.close()  # its worker thread is gone: this test drives the bookkeeping itself
     return server
 

@@ -176,6 +176,7 @@ class KVTransport(ABC):
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         wakeup: Callable[[], None] | None = None,
         spec: Any = None,
+        track_served: bool = False,
     ) -> None:
         _check_cache(kv_cache, spec)
         if not transfer_timeout_s > 0:
@@ -189,6 +190,11 @@ class KVTransport(ABC):
         # Called from a transport thread whenever a result or served read is queued, so an idle
         # engine loop blocked on its poller can be woken (e.g. a write to a ZMQ/pipe socket).
         self._wakeup = wakeup
+        # Keep the reads peers completed for ``poll_served``. Off unless asked for: the engines
+        # free blocks on the side channel's ``release`` and never poll them, and a serving
+        # engine that kept them would hold one entry a request for as long as it runs (and
+        # the NIXL producer's driver would wake every few ms for as long as it runs).
+        self.track_served = track_served
         self._cond = threading.Condition()
         self._results: deque[TransferResult] = deque()
         self._served: deque[ServedRead] = deque()
@@ -312,8 +318,18 @@ class KVTransport(ABC):
             self._results.clear()
         return results
 
+    def expect_reads(self, active: bool) -> None:
+        """Whether peers may read this engine's blocks from now on (the P/D connector's prefill:
+        while it holds a lease). A transport that must make progress on the serving side for a
+        read to complete (NIXL over UCX without one-sided reads) does so only while it is
+        True, and sleeps otherwise; the others need not know."""
+        return None
+
     def poll_served(self) -> list[ServedRead]:
-        """Reads of this engine's blocks that peers completed since the last call."""
+        """Reads of this engine's blocks that peers completed since the last call (a transport
+        built with ``track_served=True``)."""
+        if not self.track_served:
+            raise RuntimeError(f"{self.name} transport: poll_served needs track_served=True")
         with self._cond:
             served = list(self._served)
             self._served.clear()
@@ -400,6 +416,8 @@ class KVTransport(ABC):
         self._notify()
 
     def _report_served(self, transfer_id: str, reader: str) -> None:
+        if not self.track_served:
+            return
         with self._cond:
             self._served.append(ServedRead(transfer_id, reader))
         self._notify()
