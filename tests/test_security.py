@@ -51,6 +51,20 @@ def side_channel():
     server.close()
 
 
+def test_side_channel_server_sleeps_until_a_message_and_stops_on_close():
+    """Its thread waits for a message with no timeout (an idle prefill engine wakes for
+    nothing); ``close`` wakes it, the thread ends and the port is free again."""
+    server = SideChannelServer("127.0.0.1", 0, {"release": lambda m: {"ok": True}})
+    client = SideChannelClient("127.0.0.1", server.port)
+    assert client.request({"type": "release", "request_ids": ["a"]}, timeout_s=2)["ok"]
+    client.close()
+    server.close()
+    assert not server._thread.is_alive()
+    server.close()  # a second close is harmless
+    again = SideChannelServer("127.0.0.1", server.port, {})
+    again.close()
+
+
 def test_side_channel_refuses_peers_without_the_cluster_token(side_channel):
     server, calls = side_channel
     for token in (None, "wrong"):
