@@ -138,3 +138,6 @@ def test_publisher_numbers_batches_and_replays_from_a_sequence_number():
     finally:
         publisher.close()
         ctx.term()
+    # Its replay thread waits for requests with no timeout; ``close`` wakes it, and it ends.
+    assert not publisher._thread.is_alive()
+    publisher.close()  # a second close is harmless
