@@ -39,6 +39,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from pdserve.wake_pipe import WakePipe
+
 logger = logging.getLogger(__name__)
 
 MEDIUM = "CPU"  # where pdserve's blocks live (vLLM says "GPU" for its device cache)
@@ -183,9 +185,9 @@ class KVEventPublisher:
         self._drop = {int(s) for s in os.environ.get(DROP_SEQS_ENV, "").split(",") if s.strip()}
         self.snapshot_wanted = threading.Event()
         self._closing = threading.Event()
-        # ``close`` writes a byte here to wake the replay thread, which otherwise sleeps until a
-        # request comes (a poll every 200 ms woke an idle engine 5 times a second for nothing).
-        self._wake_r, self._wake_w = os.pipe()
+        # ``close`` wakes the replay thread through this; it otherwise sleeps until a request
+        # comes (a poll every 200 ms woke an idle engine 5 times a second for nothing).
+        self._waker = WakePipe()
         self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
         self._thread.start()
 
@@ -202,7 +204,7 @@ class KVEventPublisher:
     def _serve_replays(self) -> None:
         poller = zmq.Poller()
         poller.register(self._replay, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker, zmq.POLLIN)
         while not self._closing.is_set():
             if self._replay in dict(poller.poll()):
                 try:
@@ -232,10 +234,9 @@ class KVEventPublisher:
         if self._closing.is_set():
             return
         self._closing.set()
-        os.write(self._wake_w, b"x")
+        self._waker.wake()
         self._thread.join(timeout=2.0)
         self._pub.close(linger=0)
         self._replay.close(linger=0)
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._waker.close()

@@ -32,7 +32,6 @@ warning about ``UCX_MEMTYPE_CACHE`` if it is in your environment.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -48,6 +47,7 @@ from typing import Any, cast
 import msgpack
 
 from pdserve.connector.transports.base import KVTransport, ReadJob, RemotePeer, kv_bytes
+from pdserve.wake_pipe import WakePipe
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,7 @@ class UcxTransport(KVTransport):
         # Data tags: a random 31-bit prefix per transport and a 32-bit counter.
         self._tag_prefix = secrets.randbits(31) << 32
         self._tag_counter = 0
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = WakePipe()
         self._commands: deque[tuple[Any, ...]] = deque()  # from the engine thread to the worker thread
         # Worker-thread state.
         self._peers: dict[str, _Peer] = {}  # {engine_id: peer}
@@ -188,19 +186,17 @@ class UcxTransport(KVTransport):
         if self._thread.is_alive():  # pragma: no cover
             logger.error("ucx worker thread did not stop")
             return
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._waker.close()
 
     def _command(self, *command: Any) -> None:
         self._commands.append(command)
-        with contextlib.suppress(BlockingIOError):  # a full pipe holds wake-ups already
-            os.write(self._wake_w, b"!")
+        self._waker.wake()
 
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
         worker = self._worker
-        wake_fds = [worker.epoll_file_descriptor, self._wake_r]
+        wake_fds = [worker.epoll_file_descriptor, self._waker]
         try:
             if self.role.serves:
                 self._post_control_recv()
@@ -215,8 +211,8 @@ class UcxTransport(KVTransport):
                     continue
                 if worker.arm():  # nothing pending inside UCX: safe to sleep on its fd
                     ready, _, _ = select.select(wake_fds, [], [], self._sleep_time())
-                    if self._wake_r in ready:
-                        _drain(self._wake_r)
+                    if self._waker in ready:
+                        self._waker.drain()
         except Exception:
             logger.exception("ucx worker thread crashed")
         finally:
@@ -471,11 +467,3 @@ def _request_error(request: Any) -> str | None:
     except Exception as exc:  # ucxx raises its own UCX error types
         return f"{type(exc).__name__}: {exc}"
     return None
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
