@@ -3,8 +3,9 @@ and the KV-event index (its size, events, replays, resyncs, and how well it pred
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
@@ -13,6 +14,25 @@ from pdserve.metrics_http import serve_wsgi
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Engine-reported prefix hit minus the router's expectation, in blocks (0: exact).
 _HIT_ERROR_BUCKETS = (-64, -16, -4, -2, -1, -0.5, 0, 0.5, 1, 2, 4, 16, 64)
+
+
+def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """``histogram.observe(a)`` for each of ``amounts``, with one update of its sum and of each
+    bucket hit: the same samples. The router observes every streamed token's gap; one ``observe``
+    each (two locked increments and a walk of the bounds) was ~5% of its CPU per token on two
+    busy cores. Reads prometheus_client's histogram fields (``_upper_bounds``, ``_buckets``,
+    ``_sum``; pinned 0.26.0; a test holds the output to ``observe``'s)."""
+    if not amounts:
+        return
+    histogram._raise_if_not_observable()
+    bounds = histogram._upper_bounds  # ascending, the last +Inf
+    hits = [0] * len(bounds)
+    for amount in amounts:
+        hits[bisect.bisect_left(bounds, amount)] += 1  # the first bound >= amount, as observe
+    for bucket, count in zip(histogram._buckets, hits, strict=True):
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(sum(amounts))
 
 
 class RouterMetrics:

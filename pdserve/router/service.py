@@ -29,7 +29,7 @@ from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.engine.request import SamplingParams, validate_prompt
 from pdserve.router.engine_session import SessionStream
 from pdserve.router.engines import EngineHandle, EnginePool
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics, observe_many
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.text import TextStream
 from pdserve.router.trace import TraceLog
@@ -705,8 +705,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         to_sink, resume_from = cast(TokenSink, sink), cast(list[int], streamed)
 
         def observe_gaps() -> None:
-            for gap in gaps:
-                itl.observe(gap)
+            observe_many(itl, gaps)
             gaps.clear()
 
         def relay_token(message: engine_pb2.EngineGenerateResponse) -> bool:
