@@ -547,3 +547,55 @@ def test_a_guidellm_report_gives_the_row_vllms_client_would():
     assert "prompt_tokens=256,output_tokens=64" in argv[argv.index("--data") + 1]
     argv = guidellm_argv("guidellm", "http://h:1", "m", "/tok", LoadPoint.open(4, 32), 256, 64, 7, "/o.json")
     assert argv[argv.index("--profile") + 1] == "kind=poisson,rate=4"
+
+
+class _NoServers:
+    """Stands for the Supervisor of ``driver.run_setup``: no processes, nothing ever dies."""
+
+    children: list = []
+
+    def __init__(self, **kwargs) -> None:
+        pass
+
+    def __enter__(self) -> _NoServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+
+def _run_setup_with(monkeypatch, warmup_completed: list[int]) -> tuple[list, list[str], list[str]]:
+    """``driver.run_setup`` for one load point, with the client's warm-up runs completing
+    ``warmup_completed`` of their prompts in turn: the rows, the load points measured, what it said."""
+    from pdserve.bench.peers.client import Context
+    from pdserve.bench.peers.report import LoadPoint
+
+    measured: list[str] = []
+    said: list[str] = []
+
+    def fake_measure(ctx, setup, servers, base_url, model_name, load, seed, repeat, dataset=None):
+        measured.append(load.name)
+        done = warmup_completed[measured.count("warmup") - 1] if load.name == "warmup" else load.num_prompts
+        row = {"completed": done, "failed": load.num_prompts - done, "error": "client exit 1"}
+        return {**row, "ttft_ms_p50": 1.0, "itl_ms_p50": 1.0, "out_tok_per_s": 1.0}
+
+    monkeypatch.setattr(driver, "Supervisor", _NoServers)
+    monkeypatch.setattr(driver, "start_setup", lambda setup, sup, ctx: "http://h:1")
+    monkeypatch.setattr(driver, "served_model_name", lambda base_url: "m")
+    monkeypatch.setattr(driver, "measure", fake_measure)
+    args = driver.build_parser().parse_args([])
+    ctx = Context(args, side_venv.PeerVenv("/venv"), "/hf", None, "/logs", {}, {}, said.append)
+    rows = driver.run_setup(ctx, "vllm", 0, [LoadPoint.closed(8, 16)])
+    return rows, measured, said
+
+
+def test_a_warm_up_the_client_reports_failed_is_sent_again_once(monkeypatch):
+    rows, measured, said = _run_setup_with(monkeypatch, [0, 4])
+    assert measured == ["warmup", "warmup", "c8"] and [row["completed"] for row in rows] == [16]
+    assert any("warm-up failed (4 failed" in line and "warming up again (2/2)" in line for line in said)
+
+    with pytest.raises(RuntimeError, match="vllm: warm-up failed"):
+        _run_setup_with(monkeypatch, [0, 3])

