@@ -5,7 +5,7 @@ VENV ?= .venv
 # The interpreter .venv is made from: the distribution's CPython 3.11 where there is one (Debian
 # and Ubuntu build it with PGO and LTO into the executable), else `python3`. A source build
 # without them (pyenv's default: a shared libpython, no PGO) ran the router's Python about 1.5x
-# slower and cost it 10-20% more CPU per streamed token (docs/performance.md). The torch wheel on
+# slower and cost it 4-22% more CPU per streamed token (docs/performance.md). The torch wheel on
 # these machines is for 3.11; without its venv module (Debian's python3.11-venv) the distribution's
 # is passed over. `make venv PYTHON=...` picks another.
 PYTHON ?= $(shell /usr/bin/python3.11 -c 'import ensurepip, venv, sys; print(sys.executable)' 2>/dev/null || echo python3)
