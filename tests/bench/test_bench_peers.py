@@ -493,6 +493,35 @@ def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_ins
         proc.wait()
 
 
+def test_process_cpu_reads_a_few_milliseconds_not_ticks(tmp_path):
+    """A front that spends 5 ms inside the block reads as about 5 ms: /proc/PID/stat's 10 ms
+    ticks would read 0 or 10 (a tenth of the per-token budget over a short run)."""
+    import subprocess
+    import sys
+    import time
+
+    from pdserve.bench.peers.process_cpu import ProcessCpu
+
+    go, done = tmp_path / "go", tmp_path / "done"
+    front = (
+        f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "end = time.process_time() + 0.005\nwhile time.process_time() < end: pass\n"
+        f"open({str(done)!r}, 'w').close()\ntime.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", front, "pdserve", "decode"], start_new_session=True)
+    try:
+        time.sleep(0.5)
+        with ProcessCpu([proc.pid]) as cpu:
+            go.write_text("")
+            deadline = time.monotonic() + 30
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert 0.004 <= cpu.seconds["decode-front"] <= 0.0095, cpu.seconds
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
 def test_the_sustained_rate_is_the_highest_rate_within_the_slo_and_says_if_the_sweep_found_it(capsys):
     from pdserve.bench.peers.report import print_sustained_rates, sustained_rates
 

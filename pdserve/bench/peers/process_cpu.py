@@ -2,7 +2,7 @@
 
 On a small machine every process competes for the same cores: a router or an engine front that
 spends a millisecond of CPU per token takes it from an engine core. This reads each process's
-user + system time (``/proc/PID/stat``, all its threads) before and after a client run, names
+CPU time (all its threads, to the nanosecond) before and after a client run, names
 each process by what it is (pdserve's router, an engine's front or core, the cluster's
 supervisor; another server by its command name), and divides by the tokens the client received.
 Roles summed across engines of the same kind (two decode engines: one ``decode-core``).
@@ -11,6 +11,7 @@ Roles summed across engines of the same kind (two decode engines: one ``decode-c
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -89,8 +90,20 @@ def _pdserve_command(argv: list[str]) -> str | None:
     return None
 
 
-def _ticks(fields: list[str]) -> int:
-    return int(fields[11]) + int(fields[12])
+def cpu_seconds(pid: int, fields: list[str]) -> float:
+    """CPU seconds process ``pid`` has run, all its threads (those that ended too).
+
+    Read from the process's CPU-time clock (Linux's ``clock_getcpuclockid``: clock id
+    ``(~pid << 3) | 2``, its scheduler's runtime in nanoseconds), not ``/proc/PID/stat``'s
+    utime + stime: those count 10 ms ticks, so each process's figure over a run was off by up to
+    10 ms. Summed over a router, two fronts and a supervisor that was up to ~10 us per token
+    on a 4,096-token run, a tenth of issue 42's 100 us budget; an engine front that spent 2 ms
+    read as 0 or 10. ``fields`` (its ``/proc/PID/stat``) is the fallback where the clock is
+    refused."""
+    try:
+        return time.clock_gettime((~pid << 3) | 2)
+    except OSError:  # it exited meanwhile, or the kernel refuses: its ticks
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 class ProcessCpu:
@@ -101,17 +114,17 @@ class ProcessCpu:
     def __init__(self, session_leaders: Iterable[int]) -> None:
         self.sessions = set(session_leaders)
         self.seconds: dict[str, float] = {}
-        self._start: dict[int, int] = {}
+        self._start: dict[int, float] = {}
         self._roles: dict[int, str] = {}
 
-    def _sample(self) -> dict[int, int]:
+    def _sample(self) -> dict[int, float]:
         stats = proc_stats()
-        ticks = {}
+        spent = {}
         for pid in session_pids(stats, self.sessions):
             if pid not in self._roles:
                 self._roles[pid] = role_of(pid, stats)
-            ticks[pid] = _ticks(stats[pid])
-        return ticks
+            spent[pid] = cpu_seconds(pid, stats[pid])
+        return spent
 
     def __enter__(self) -> ProcessCpu:
         self._start = self._sample()
@@ -119,10 +132,10 @@ class ProcessCpu:
 
     def __exit__(self, *exc_info: object) -> None:
         seconds: dict[str, float] = {}
-        for pid, ticks in self._sample().items():
+        for pid, spent in self._sample().items():
             role = self._roles[pid]
-            seconds[role] = seconds.get(role, 0.0) + (ticks - self._start.get(pid, 0)) / CLK_TCK
-        self.seconds = dict(sorted(seconds.items()))
+            seconds[role] = seconds.get(role, 0.0) + spent - self._start.get(pid, 0.0)
+        self.seconds = {role: round(s, 6) for role, s in sorted(seconds.items())}
 
     def us_per_token(self, tokens: int | None) -> dict[str, float] | None:
         """{role: CPU microseconds per streamed token}, plus "outside_engines" (pdserve's router,
