@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
 
 import pytest
 
@@ -456,9 +457,9 @@ def test_the_vllm_venv_is_made_again_when_another_interpreter_made_it(tmp_path, 
     assert side_venv.venv_ready(str(tmp_path))
 
 
-def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_inside(tmp_path):
-    """A stand-in "pdserve router" that burns CPU, and its child, an engine core that burns some
-    too: each one's time lands on its role, and only the time spent inside the block."""
+def _process_cpu_of(tmp_path, script: Callable[[str, str], str], argv: list[str]):
+    """``ProcessCpu`` around a stand-in server: ``script(go, done)`` (two paths) is its code,
+    which idles until ``go`` exists, works, then makes ``done``; only that is inside."""
     import subprocess
     import sys
     import time
@@ -466,15 +467,7 @@ def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_ins
     from pdserve.bench.peers.process_cpu import ProcessCpu
 
     go, done = tmp_path / "go", tmp_path / "done"
-    burn = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
-    core = burn.format(s=0.4) + f"open({str(done)!r}, 'w').close()\ntime.sleep(60)\n"
-    router = (
-        f"import os, subprocess, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
-        + burn.format(s=0.6)
-        + f"subprocess.run([sys.executable, '-c', {core!r}, '-m', 'pdserve.engine.core_proc'])\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", router, "pdserve", "--log-level", "INFO", "router"],
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script(str(go), str(done)), *argv], start_new_session=True)
     try:
         time.sleep(0.5)  # idle until told: its start-up is not counted
         with ProcessCpu([proc.pid]) as cpu:
@@ -482,44 +475,47 @@ def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_ins
             deadline = time.monotonic() + 30
             while not done.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-        assert 0.5 <= cpu.seconds["router"] <= 0.9, cpu.seconds
-        assert 0.3 <= cpu.seconds["router-core"] <= 0.7, cpu.seconds  # the core of its parent's role
-        per_token = cpu.us_per_token(1000)
-        assert per_token is not None and per_token["outside_engines"] == per_token["router"]
-        assert per_token["router"] == pytest.approx(cpu.seconds["router"] * 1000, abs=0.1)
-        assert cpu.us_per_token(0) is None
+        return cpu
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def _burn(seconds: float) -> str:
+    return f"end = time.process_time() + {seconds}\nwhile time.process_time() < end: pass\n"
+
+
+def _wait_for(go: str) -> str:
+    return f"import os, subprocess, sys, time\nwhile not os.path.exists({go!r}): time.sleep(0.01)\n"
+
+
+def test_process_cpu_names_each_process_by_its_role_and_counts_only_the_time_inside(tmp_path):
+    """A stand-in "pdserve router" that burns CPU, and its child, an engine core that burns some
+    too: each one's time lands on its role, and only the time spent inside the block."""
+
+    def router(go: str, done: str) -> str:
+        core = "import time\n" + _burn(0.4) + f"open({done!r}, 'w').close()\ntime.sleep(60)\n"
+        run_core = f"subprocess.run([sys.executable, '-c', {core!r}, '-m', 'pdserve.engine.core_proc'])\n"
+        return _wait_for(go) + _burn(0.6) + run_core
+
+    cpu = _process_cpu_of(tmp_path, router, ["pdserve", "--log-level", "INFO", "router"])
+    assert 0.5 <= cpu.seconds["router"] <= 0.9, cpu.seconds
+    assert 0.3 <= cpu.seconds["router-core"] <= 0.7, cpu.seconds  # the core of its parent's role
+    per_token = cpu.us_per_token(1000)
+    assert per_token is not None and per_token["outside_engines"] == per_token["router"]
+    assert per_token["router"] == pytest.approx(cpu.seconds["router"] * 1000, abs=0.1)
+    assert cpu.us_per_token(0) is None
 
 
 def test_process_cpu_reads_a_few_milliseconds_not_ticks(tmp_path):
     """A front that spends 5 ms inside the block reads as about 5 ms: /proc/PID/stat's 10 ms
     ticks would read 0 or 10 (a tenth of the per-token budget over a short run)."""
-    import subprocess
-    import sys
-    import time
 
-    from pdserve.bench.peers.process_cpu import ProcessCpu
+    def front(go: str, done: str) -> str:
+        return _wait_for(go) + _burn(0.005) + f"open({done!r}, 'w').close()\ntime.sleep(60)\n"
 
-    go, done = tmp_path / "go", tmp_path / "done"
-    front = (
-        f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
-        "end = time.process_time() + 0.005\nwhile time.process_time() < end: pass\n"
-        f"open({str(done)!r}, 'w').close()\ntime.sleep(60)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", front, "pdserve", "decode"], start_new_session=True)
-    try:
-        time.sleep(0.5)
-        with ProcessCpu([proc.pid]) as cpu:
-            go.write_text("")
-            deadline = time.monotonic() + 30
-            while not done.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        assert 0.004 <= cpu.seconds["decode-front"] <= 0.0095, cpu.seconds
-    finally:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+    cpu = _process_cpu_of(tmp_path, front, ["pdserve", "decode"])
+    assert 0.004 <= cpu.seconds["decode-front"] <= 0.0095, cpu.seconds
 
 
 def test_the_sustained_rate_is_the_highest_rate_within_the_slo_and_says_if_the_sweep_found_it(capsys):
