@@ -161,10 +161,13 @@ def extract_converter(archive: str, target: str) -> None:
 
 
 def safe_member(member: tarfile.TarInfo, archive: str) -> tarfile.TarInfo:
-    """``member`` if the ``data`` filter would pass it; for CPythons before 3.11.4 (Debian's 3.11.2).
+    """``member``, checked by hand for CPythons before 3.11.4 (Debian's 3.11.2), which lack
+    ``extractall(filter="data")``.
 
-    Those lack ``extractall(filter=...)``; the converter needs only plain files and folders
-    under the target, so anything else (links, devices, absolute or ``..`` paths) is refused.
+    Stricter than that filter: the converter needs only plain files and folders under the
+    target, so anything else (links, even ones inside the tree; devices; absolute or ``..``
+    paths) is refused. Permissions are cut as the filter cuts them (owner read/write, no
+    group or other write).
     """
     name = member.name
     if not (member.isfile() or member.isdir()) or os.path.isabs(name) or ".." in name.split("/"):
