@@ -18,6 +18,11 @@ on plain TCP instead (``FramedSessionCall``; the engine's ``session_stream``): t
 messages and the same behaviour, without gRPC's thread hops per message (about a millisecond
 of CPU on each end per engine step on a 2-core VM). An engine that cannot be reached there gets
 the RPC.
+
+On a framed session, a request handed to the C token relay (``use_relay``) has its plain
+tokens written to its client by the relay, in the frame's read callback, while its stream is
+idle (``pdserve.router.token_relay``); anything else of it comes here as before, after what the
+relay sent is taken back into the request path (``on_relayed``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.router import token_relay
 from pdserve.router.discovery import address_host
 from pdserve.session_frames import FrameError, frame, take_frames
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
@@ -45,6 +51,14 @@ _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _CANCELLED = object()  # put in a stream's queue by cancel()
 # Statuses of the whole Session call that say the stream broke, not that a request was refused.
 _SESSION_BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+def _ignore(relayed: token_relay.Relayed) -> None:
+    pass
+
+
+def _never() -> None:
+    return None
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -63,6 +77,12 @@ class SessionStream:
         # The request path's relay of a plain token, called in the session's reader (see
         # ``deliver``); None: every message goes through the queue.
         self.fast: Callable[[engine_pb2.EngineGenerateResponse], bool] | None = None
+        # The C relay, while it holds this request (``use_relay``).
+        self._relay: token_relay.TokenRelay | None = None
+        self._relay_key = request_id.encode()
+        self._on_relayed: Callable[[token_relay.Relayed], None] = _ignore
+        self._relay_ready: Callable[[], tuple[float, int] | None] = _never
+        self._relay_error: Exception | None = None  # taking back the relay's tokens failed
         self._waiting = False  # the iterator waits for a message, done with every one before
         self._ended = False  # the iterator gave the last message
         # One timer for the whole request (not one per message): at the deadline, end it.
@@ -73,8 +93,65 @@ class SessionStream:
             self.close()
             self.queue.put_nowait(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
+    def use_relay(
+        self,
+        relay: token_relay.TokenRelay,
+        target: tuple[int, bytes, bytes],
+        on_relayed: Callable[[token_relay.Relayed], None],
+        ready: Callable[[], tuple[float, int] | None],
+    ) -> bool:
+        """Hand the request's plain tokens to the C relay, on a framed session: ``target`` is
+        the client's socket and the chunk's template (``TokenRelay.register``); ``on_relayed``
+        takes back what the relay sent, before anything else of the request is handled;
+        ``ready`` gives (the last token's time, the cached tokens seen) when the request path
+        is in step for the relay to go on (else None). False: Python relays it all."""
+        call = self._call
+        if self._relay is not None or self.done or not call.relaying():
+            return False
+        fd, head, tail = target
+        if not relay.register(call.number, self._relay_key, fd, head, tail):
+            return False
+        self._relay, self._on_relayed, self._relay_ready = relay, on_relayed, ready
+        return True
+
+    def _relay_on(self) -> None:
+        """Let the relay send the next outputs, if the request path is in step for it."""
+        relay = cast(token_relay.TokenRelay, self._relay)
+        if self.request_id in self._call.aborting:
+            return
+        ready = self._relay_ready()
+        if ready is not None:
+            relay.activate(self._call.number, self._relay_key, *ready)
+
+    def _relay_off(self) -> None:
+        """Stop the relay, and take back what it sent (it declined an output: that comes next).
+        Where that fails, the relay lets go of the request and ``deliver`` fails it."""
+        relay = cast(token_relay.TokenRelay, self._relay)
+        try:
+            relayed = relay.take(self._call.number, self._relay_key)
+            if relayed is not None:
+                self._on_relayed(relayed)
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not end the session
+            logger.exception("%s: the router failed to take back the token relay's tokens", self.request_id)
+            relay.unregister(self._call.number, self._relay_key)
+            self._relay = None
+            self._relay_error = exc
+
+    def sync_relay(self) -> None:
+        """A chunk of the relay's went out in part: the rest goes to the transport now."""
+        if self._relay is not None:
+            self._relay_off()
+
+    def _release_relay(self) -> None:
+        if self._relay is not None:
+            self._relay_off()
+            if self._relay is not None:  # else _relay_off let go of it already
+                self._relay.unregister(self._call.number, self._relay_key)
+                self._relay = None
+
     def finish(self) -> None:
         """It ended on the engine's side (or never started there): nothing to abort."""
+        self._release_relay()
         self.done = True
         self._timer.cancel()
 
@@ -87,21 +164,33 @@ class SessionStream:
         (docs/performance.md). It runs only while the iterator waits with nothing queued (so
         every message before went out, in order) and may decline (returns False: a last
         message, a client not reading), and then the message and every later one queue as
-        before. A relay that raises fails the request (INTERNAL), not the session."""
+        before. A relay that raises fails the request (INTERNAL), not the session; so does taking
+        back what the C token relay sent."""
+        if self._relay is not None:
+            self._relay_off()
+        if self._relay_error is not None:
+            self._fail(self._relay_error)
+            return
         fast = self.fast
         if fast is not None and self._waiting and self.queue.empty():
             try:
                 if fast(message):
+                    if self._relay is not None:
+                        self._relay_on()
                     return
             except Exception as exc:  # noqa: BLE001 - one request's bug must not end the session
                 logger.exception("%s: the router failed to relay a token", self.request_id)
-                self.fast = None
-                self.close()
-                self.queue.put_nowait(
-                    rpc_error(grpc.StatusCode.INTERNAL, f"the router failed to relay a token: {exc!r}")
-                )
+                self._fail(exc)
                 return
         self.queue.put_nowait(message)
+
+    def _fail(self, exc: Exception) -> None:
+        self.fast = None
+        self._relay_error = None
+        self.close()
+        self.queue.put_nowait(
+            rpc_error(grpc.StatusCode.INTERNAL, f"the router failed to relay a token: {exc!r}")
+        )
 
     def cancel(self) -> None:
         """Stop now: the iterator raises CancelledError at its next step, before any message
@@ -115,6 +204,7 @@ class SessionStream:
     def close(self) -> None:
         """Leave the session; a request that has not finished is aborted on the engine."""
         self.fast = None
+        self._release_relay()
         self._timer.cancel()
         if not self.done:
             self.done = True
@@ -130,6 +220,8 @@ class SessionStream:
         if self._ended:
             raise StopAsyncIteration
         self._waiting = True
+        if self._relay is not None and self.queue.empty():
+            self._relay_on()
         try:
             item = await self.queue.get()
         finally:
@@ -160,8 +252,10 @@ class FramedSessionCall:
         port: int,
         requests: AsyncIterator[engine_pb2.SessionRequest],
         rpc: Callable[[AsyncIterator[engine_pb2.SessionRequest]], Any],
+        number: int = 0,
     ) -> None:
         self.host = address_host(address)
+        self.number = number  # the session's, in the token relay
         self.address = address
         self.port = port
         self._requests = requests
@@ -170,6 +264,10 @@ class FramedSessionCall:
         self._protocol: _FrameProtocol | None = None
         self._sender: asyncio.Task | None = None
         self._cancelled = False
+
+    def framed(self) -> bool:
+        """True while the framed stream is up (not the RPC it fell back to)."""
+        return self._protocol is not None and not self._protocol.ended.done()
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -186,7 +284,7 @@ class FramedSessionCall:
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(lambda: _FrameProtocol(handle), self.host, self.port),
+                loop.create_connection(lambda: _FrameProtocol(handle, self.number), self.host, self.port),
                 STREAM_CONNECT_TIMEOUT_S,
             )
         except (OSError, TimeoutError) as exc:
@@ -224,8 +322,9 @@ class FramedSessionCall:
 class _FrameProtocol(asyncio.Protocol):
     """The router's end of a framed Session connection: responses in, requests out."""
 
-    def __init__(self, handle: Callable[[engine_pb2.SessionResponse], None]) -> None:
+    def __init__(self, handle: Callable[..., None], session: int = 0) -> None:
         self.handle = handle
+        self.session = session
         self.buffer = bytearray()
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Read here if the call was cancelled before awaiting it (no "never retrieved" warning).
@@ -240,8 +339,17 @@ class _FrameProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         payloads, bad = take_frames(self.buffer)
+        relay = token_relay.frames()
         try:
             for payload in payloads:
+                if relay is not None:
+                    # The relay's plain tokens go out in C; what it declines, or what went out
+                    # in part, is handled here (None: all of it).
+                    outcome = relay.frame(self.session, payload)
+                    if outcome is not None:
+                        if outcome[0] or outcome[1]:
+                            self.handle(engine_pb2.SessionResponse.FromString(payload), *outcome)
+                        continue
                 self.handle(engine_pb2.SessionResponse.FromString(payload))
             if bad is not None:
                 raise bad
@@ -296,8 +404,9 @@ class _SessionCall:
         # arrives for the id is the aborted request's, even when a new one reuses the id.
         self.aborting: collections.Counter[str] = collections.Counter()
         self.failed = False
+        self.number = token_relay.new_session_number()
         self.call: Any = (
-            FramedSessionCall(address, stream_port, self._requests(), stub.Session)
+            FramedSessionCall(address, stream_port, self._requests(), stub.Session, self.number)
             if stream_port
             else stub.Session(self._requests())
         )
@@ -326,14 +435,30 @@ class _SessionCall:
             self.aborting[request_id] += 1
             self.outbox.put_nowait(engine_pb2.SessionRequest(abort_request_id=request_id))
 
-    def _handle(self, response: engine_pb2.SessionResponse) -> None:
+    def relaying(self) -> bool:
+        """True while the session is framed (its frames go through the token relay)."""
+        return isinstance(self.call, FramedSessionCall) and self.call.framed()
+
+    def _handle(
+        self,
+        response: engine_pb2.SessionResponse,
+        declined: list[int] | None = None,
+        flushed: list[int] | None = None,
+    ) -> None:
         """One message of the engine's: each output to its request's stream, aborts answered,
-        refusals raised in their requests."""
+        refusals raised in their requests. After the token relay: only the outputs it
+        ``declined`` (by index), and the streams of those it sent in part (``flushed``) synced."""
+        outputs = response.outputs
+        for index in flushed or ():
+            if (stream := self.streams.get(outputs[index].request_id)) is not None:
+                stream.sync_relay()
+        if declined is not None:
+            outputs = [outputs[index] for index in declined]
         for request_id in response.aborted:
             self.aborting[request_id] -= 1
             if self.aborting[request_id] <= 0:
                 del self.aborting[request_id]
-        for output in response.outputs:
+        for output in outputs:
             if output.request_id in self.aborting:
                 continue  # of a request aborted meanwhile
             stream = self.streams.get(output.request_id)

@@ -47,6 +47,7 @@ from pdserve.router.openai_protocol import (
     _SamplingRequest,
 )
 from pdserve.router.service import LiveRequest, PreparedRequest, RouterError, RouterServicer
+from pdserve.router.token_relay import Relayed
 from pdserve.tls import ServerTls
 from pdserve.v1 import router_pb2
 
@@ -477,7 +478,12 @@ class OpenAIServer:
             if len(choices) == 1:
                 # Iterated in place: a generator layer, a task and a queue hop per token less.
                 choice = choices[0]
-                sink = _ChunkSink.of(request.scope.get(_SERVER_SEND), functools.partial(plain_token, choice))
+                sink = _ChunkSink.of(
+                    request.scope.get(_SERVER_SEND),
+                    functools.partial(plain_token, choice),
+                    choice,
+                    (head, tail) if templated else None,
+                )
                 try:
                     async with contextlib.aclosing(
                         self.servicer.run(choice.live, choice.prepared, sink=sink)
@@ -502,6 +508,8 @@ class OpenAIServer:
             watcher.cancel()
             by_reader = sink.tokens_sent if sink is not None else 0
             self.metrics.streamed_tokens_by(path="reader").inc(by_reader)
+            if sink is not None and sink.tokens_relayed:
+                self.metrics.relayed_tokens.inc(sink.tokens_relayed)
             self.metrics.streamed_tokens_by(path="task").inc(
                 sum(len(c.token_ids) for c in choices) - by_reader
             )
@@ -668,18 +676,60 @@ class _ChunkSink:
 
     _CYCLE_FIELDS = ("transport", "flow", "disconnected", "chunked_encoding", "response_complete")
 
-    def __init__(self, cycle: Any, chunk: Callable[[str, list[int]], bytes | None]) -> None:
+    def __init__(
+        self,
+        cycle: Any,
+        chunk: Callable[[str, list[int]], bytes | None],
+        choice: Choice,
+        template: tuple[bytes, bytes] | None,
+    ) -> None:
         self._cycle = cycle
         self._chunk = chunk
-        self.tokens_sent = 0
+        self._choice = choice
+        # A plain token's chunk around its text (a JSON string), when every plain token's chunk
+        # is that: the C token relay writes those chunks itself.
+        self._template = template
+        self.tokens_sent = 0  # by the session's reader: here, or by the token relay
+        self.tokens_relayed = 0
 
     @classmethod
-    def of(cls, send: Callable | None, chunk: Callable[[str, list[int]], bytes | None]) -> _ChunkSink | None:
+    def of(
+        cls,
+        send: Callable | None,
+        chunk: Callable[[str, list[int]], bytes | None],
+        choice: Choice,
+        template: tuple[bytes, bytes] | None,
+    ) -> _ChunkSink | None:
         cycle: Any = getattr(send, "__self__", None)
         for name in cls._CYCLE_FIELDS:
             if not hasattr(cycle, name):
                 return None
-        return cls(cycle, chunk) if hasattr(cycle.flow, "write_paused") else None
+        return cls(cycle, chunk, choice, template) if hasattr(cycle.flow, "write_paused") else None
+
+    def relay_target(self) -> tuple[int, bytes, bytes] | None:
+        """(the client's socket, the chunk's text before and after) for the C token relay; None
+        where it cannot write the chunks (TLS, or chunks that carry more than the text)."""
+        transport = self._cycle.transport
+        if self._template is None or transport.get_extra_info("sslcontext") is not None:
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return None
+        return sock.fileno(), *self._template
+
+    def ready_for_relay(self) -> bool:
+        """Ready, and nothing in the transport's buffer that the relay's writes would overtake."""
+        return self.ready() and self._cycle.transport.get_write_buffer_size() == 0
+
+    def relayed(self, relayed: Relayed) -> None:
+        """What the relay sent, as ``tokens`` would have: the answer's text and ids; the rest of
+        a chunk the socket did not take goes to the transport, ahead of anything later."""
+        if relayed.rest:
+            self._cycle.transport.write(relayed.rest)
+        self._choice.text.append(relayed.text)  # ``add_tokens``, as plain_token does
+        self._choice.token_ids.extend(relayed.token_ids)
+        self.tokens_sent += len(relayed.token_ids)
+        self.tokens_relayed += len(relayed.token_ids)
 
     def ready(self) -> bool:
         cycle = self._cycle

@@ -66,6 +66,12 @@ class RouterMetrics:
             ["path"],
             registry=self.registry,
         )
+        self.relayed_tokens = Counter(
+            "pdserve_router_relayed_tokens",
+            "Of the reader's streamed tokens, those the C token relay wrote to the client "
+            "(pdserve.router.token_relay; none with --no-token-relay or where no C compiler built it)",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "pdserve_router_ttft_seconds",
             "Time to first token",

@@ -129,6 +129,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--max-inflight", type=int, default=256, help="beyond this, RESOURCE_EXHAUSTED (HTTP 429)"
     )
     parser.add_argument(
+        "--no-token-relay",
+        action="store_true",
+        help="relay every streamed token in Python (by default a streaming answer's plain tokens "
+        "are written to the client by a small C relay, where a C compiler builds it)",
+    )
+    parser.add_argument(
         "--http-port", type=int, default=None, help="serve the OpenAI-compatible API on http://HOST:PORT/v1"
     )
     parser.add_argument(
@@ -191,6 +197,7 @@ async def serve_router(
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
         max_local_prefill_queue_tokens=args.max_local_prefill_queue_tokens,
+        token_relay=not getattr(args, "no_token_relay", False),
     )
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],

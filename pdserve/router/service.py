@@ -32,6 +32,7 @@ from pdserve.router.engines import EngineHandle, EnginePool
 from pdserve.router.metrics import RouterMetrics, observe_many
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.text import TextStream
+from pdserve.router.token_relay import Relayed, TokenRelay
 from pdserve.router.trace import TraceLog
 from pdserve.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from pdserve.wire import sampling_from_proto, sampling_to_proto
@@ -104,6 +105,19 @@ class TokenSink(Protocol):
         """Send a token's text delta (possibly empty: a character still incomplete)."""
         ...
 
+    def relay_target(self) -> tuple[int, bytes, bytes] | None:
+        """The client's socket and a plain token's chunk around its text, for the C token relay
+        (``TokenRelay.register``); None: the relay cannot write this answer's chunks."""
+        ...
+
+    def ready_for_relay(self) -> bool:
+        """True when the relay may write to the client now (ready, nothing buffered)."""
+        ...
+
+    def relayed(self, relayed: Relayed) -> None:
+        """Take back what the relay sent (see ``_ChunkSink.relayed``)."""
+        ...
+
 
 class _Aborted(Exception):
     """The client asked (through Abort, or by disconnecting) to end the request."""
@@ -142,10 +156,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_prefill_queue_tokens: int = 0,
         max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
         max_local_prefill_queue_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_QUEUE_TOKENS,
+        token_relay: bool = True,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
         _ = tokenizer.token_bytes  # built now (~0.1 s for 50k tokens), not in the first request
+        # Streaming answers' plain tokens relayed in C where it builds (pdserve.router.token_relay).
+        self.token_relay = TokenRelay.load(tokenizer.token_bytes) if token_relay else None
         self.policy = policy
         self.metrics = metrics
         self.disagg_min_tokens = disagg_min_tokens
@@ -731,6 +748,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             to_sink.tokens(delta, tokens)
             return True
 
+        def on_relayed(relayed: Relayed) -> None:
+            # What the C relay sent, as if relay_token had: the same text, resume point, usage
+            # and gaps (its rest of a chunk first, before anything else goes to the client).
+            nonlocal last_token_at
+            to_sink.relayed(relayed)
+            text.relayed(relayed.token_ids, relayed.text)
+            resume_from.extend(relayed.token_ids)
+            gaps.extend(relayed.gaps)
+            if len(gaps) >= ITL_BATCH:
+                observe_gaps()
+            last_token_at = relayed.last_at
+
+        def relay_ready() -> tuple[float, int] | None:
+            # In step: a token went out (the gaps run from it), no text held back, the client's
+            # transport empty and writable.
+            if last_token_at is None or not text.in_step() or not to_sink.ready_for_relay():
+                return None
+            return last_token_at, int(timings.get("num_cached_tokens", 0))
+
         try:
             try:
                 async for engine, message, call in stage:
@@ -790,6 +826,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # Once this stage's first token went out (a resumed stage's too).
                     if use_sink and last_token_at is not None and call.fast is None:
                         call.fast = relay_token
+                        if self.token_relay is not None and (target := to_sink.relay_target()) is not None:
+                            call.use_relay(self.token_relay, target, on_relayed, relay_ready)
             finally:
                 observe_gaps()
         finally:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from tokenizers.decoders import DecodeStream
 
+from pdserve.engine.model.token_bytes import ByteStream
 from pdserve.engine.model.tokenizer import Tokenizer
 
 # Tokens without text after which the held ones' settled text is sent (see the module docstring).
@@ -107,6 +108,21 @@ class TextStream:
         delta = full[self.sent : end]  # ``_send``, inline on every token's way
         self.sent = end
         return delta
+
+    def in_step(self) -> bool:
+        """True when the next tokens' text is each token's own, as the token relay sends it: no
+        stop strings to look for, no token held back for want of text, no partial character."""
+        if self.stop or self._held_from != len(self.token_ids):
+            return False
+        stream = getattr(self._step, "__self__", None)
+        return isinstance(stream, ByteStream) and stream.idle()
+
+    def relayed(self, token_ids: list[int], text: str) -> None:
+        """Tokens the token relay sent, ``text`` being theirs: as if pushed, one at a time."""
+        self.token_ids.extend(token_ids)
+        self.text += text
+        self.sent = len(self.text)
+        self._held_from, self._settled = len(self.token_ids), ""
 
     def _settle(self) -> str:
         """The held tokens' text that no later byte can change, less what went out before."""

@@ -69,6 +69,10 @@ class ByteStream:
         self._text_of = table.text_of
         self._pending = b""
 
+    def idle(self) -> bool:
+        """True when no bytes wait for the rest of their character."""
+        return not self._pending
+
     def step(self, ids: Sequence[int]) -> str | None:
         size = len(self._bytes_of)
         if not self._pending and len(ids) == 1 and 0 <= ids[0] < size:

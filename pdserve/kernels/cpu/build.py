@@ -75,49 +75,52 @@ def flags(march: str | None = None) -> list[str]:
     return [*CFLAGS, f"-march={march or target_march()}", *WARNINGS, "-shared"]
 
 
-def sources(*families: str) -> list[Path]:
+def sources(*families: str, root: Path | None = None) -> list[Path]:
     """The C files of ``families``: for each, ``csrc/<family>.c`` and its ISA variants
     ``csrc/arch/<arch>/<family>.c`` (each compiles to nothing where the build's instruction
-    sets lack what it needs)."""
+    sets lack what it needs). ``root``: another ``csrc/`` (the router's), built the same way."""
+    root = root or SOURCES  # read at the call: tests point SOURCES at a copy
     found = []
     for family in families:
-        found.append(SOURCES / f"{family}.c")
-        found.extend(sorted(SOURCES.glob(f"arch/*/{family}.c")))
+        found.append(root / f"{family}.c")
+        found.extend(sorted(root.glob(f"arch/*/{family}.c")))
     return found
 
 
-def _files_key(paths: Sequence[Path]) -> bytes:
+def _files_key(paths: Sequence[Path], root: Path) -> bytes:
     """Each file's path under csrc/ and its bytes: a renamed file changes the key too."""
-    return b"".join(str(path.relative_to(SOURCES)).encode() + b"\0" + path.read_bytes() for path in paths)
+    return b"".join(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() for path in paths)
 
 
-def cache_key(sources: Sequence[Path], compiler_version: str) -> str:
+def cache_key(sources: Sequence[Path], compiler_version: str, root: Path | None = None) -> str:
     """What a build's library is keyed by: its sources and every header under csrc/ (each with its
     path), the compiler's version, the CPU's flags and the build's flags."""
+    root = root or SOURCES
     return hashlib.sha256(
-        _files_key(sources)
-        + _files_key(sorted(SOURCES.rglob("*.h")))
+        _files_key(sources, root)
+        + _files_key(sorted(root.rglob("*.h")), root)
         + compiler_version.encode()
         + " ".join(sorted(cpu_flags())).encode()
         + " ".join(flags() + LIBS).encode()
     ).hexdigest()[:16]
 
 
-def build(sources: Sequence[Path], cc: str) -> Path:
+def build(sources: Sequence[Path], cc: str, root: Path | None = None) -> Path:
     """Compile ``sources`` into one shared library once per (sources, every header under csrc/,
     compiler, CPU, flags) and return its path; the library is named after the first source."""
+    root = root or SOURCES
     source = sources[0]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    target = cache_dir() / cache_key(sources, version) / f"libpdserve_{source.stem}.so"
+    target = cache_dir() / cache_key(sources, version, root) / f"libpdserve_{source.stem}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: engines starting together never load a half-written file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *flags(), *INCLUDES, *map(str, sources), "-o", partial, *LIBS]
+    cmd = [cc, *flags(), "-I", str(root), *map(str, sources), "-o", partial, *LIBS]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    names = " + ".join(str(path.relative_to(SOURCES)) for path in sources)
+    names = " + ".join(str(path.relative_to(root)) for path in sources)
     if result.returncode != 0:
         os.unlink(partial)
         raise RuntimeError(f"building {names} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
@@ -134,7 +137,8 @@ class CLibrary:
     use (once per process).
 
     ``declare`` sets the loaded library's functions' ``argtypes`` and ``restype``; ``purpose``
-    names what falls back to the torch reference when the library cannot be had.
+    names what falls back to the torch reference when the library cannot be had (``fallback``:
+    what runs instead, in the log line); ``root``: the ``csrc/`` the families are in.
     """
 
     def __init__(
@@ -142,8 +146,12 @@ class CLibrary:
         families: Sequence[str],
         declare: Callable[[ctypes.CDLL], None],
         purpose: str,
+        root: Path | None = None,
+        fallback: str = "the torch reference runs",
     ) -> None:
-        self.sources = sources(*families)
+        self.root = root
+        self.fallback = fallback
+        self.sources = sources(*families, root=root)
         self.declare = declare
         self.purpose = purpose
         self._lock = threading.Lock()
@@ -161,13 +169,11 @@ class CLibrary:
                 try:
                     if cc is None:
                         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-                    lib = ctypes.CDLL(str(build(self.sources, cc)))
+                    lib = ctypes.CDLL(str(build(self.sources, cc, self.root)))
                     self.declare(lib)
                 except (RuntimeError, OSError, AttributeError) as exc:
                     self._load_error = str(exc)
-                    logger.warning(
-                        "%s: C kernels unavailable (%s); the torch reference runs", self.purpose, exc
-                    )
+                    logger.warning("%s: C kernels unavailable (%s); %s", self.purpose, exc, self.fallback)
                 else:
                     self._library = lib
             if self._library is None:
