@@ -255,7 +255,7 @@ class FramedSessionCall:
         number: int = 0,
     ) -> None:
         self.host = address_host(address)
-        self.number = number  # the session's, in the token relay
+        self.number = number  # the session's in the token relay; 0: its frames skip the relay
         self.address = address
         self.port = port
         self._requests = requests
@@ -339,7 +339,9 @@ class _FrameProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         payloads, bad = take_frames(self.buffer)
-        relay = token_relay.frames()
+        # Only a router's session (numbered) goes through the relay: another handler takes the
+        # whole response alone.
+        relay = token_relay.frames() if self.session else None
         try:
             for payload in payloads:
                 if relay is not None:
