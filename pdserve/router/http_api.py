@@ -154,7 +154,7 @@ class OpenAIServer:
             app, {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
         )
         if keys:
-            gated = HttpKeyMiddleware(app, keys, () if protect_metrics else OPEN_HTTP_PATHS)
+            gated = HttpKeyMiddleware(gated, keys, () if protect_metrics else OPEN_HTTP_PATHS)
         # Outermost, so refusals (401) are counted too.
         self.app = _CountRequests(gated, self.metrics)
         self._server: EmbeddedServer | None = None
