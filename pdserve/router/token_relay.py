@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ import orjson
 
 from pdserve.engine.model.token_bytes import TokenBytes
 from pdserve.kernels.cpu.build import CLibrary
-
-logger = logging.getLogger(__name__)
 
 _c_int32_p = ctypes.POINTER(ctypes.c_int32)
 # An output index per output of a frame: a step's outputs are one per running request.
