@@ -83,6 +83,9 @@ class SessionStream:
         self._on_relayed: Callable[[token_relay.Relayed], None] = _ignore
         self._relay_ready: Callable[[], tuple[float, int] | None] = _never
         self._relay_error: Exception | None = None  # taking back the relay's tokens failed
+        # Activated since the last take: only then can the relay have sent anything (a request
+        # Python relays itself, out of step, pays no take a token).
+        self._relay_armed = False
         self._waiting = False  # the iterator waits for a message, done with every one before
         self._ended = False  # the iterator gave the last message
         # One timer for the whole request (not one per message): at the deadline, end it.
@@ -122,10 +125,14 @@ class SessionStream:
         ready = self._relay_ready()
         if ready is not None:
             relay.activate(self._call.number, self._relay_key, *ready)
+            self._relay_armed = True
 
     def _relay_off(self) -> None:
         """Stop the relay, and take back what it sent (it declined an output: that comes next).
         Where that fails, the relay lets go of the request and ``deliver`` fails it."""
+        if not self._relay_armed:
+            return
+        self._relay_armed = False
         relay = cast(token_relay.TokenRelay, self._relay)
         try:
             relayed = relay.take(self._call.number, self._relay_key)
