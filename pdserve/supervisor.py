@@ -40,6 +40,9 @@ PROGRESS_EVERY_S = 10.0
 POLL_S = 0.2
 # pick_free_ports' range starts here (below: well-known and registered services' ports).
 FIXED_PORTS_FROM = 20000
+# "LOW-HIGH" (HIGH excluded): where pick_free_ports picks instead. The test suite gives each
+# xdist worker a slice of its own, so two workers' clusters never pick the same port.
+FREE_PORTS_ENV = "PDSERVE_FREE_PORTS"
 PICK_ATTEMPTS = 200
 
 # Runs in each child before the real command: ask for SIGTERM when the parent dies, pin to the
@@ -74,15 +77,16 @@ def pick_free_ports(host: str, count: int) -> list[int]:
     binds it; only another explicit bind can. Free *now* only all the same, which is why
     starting retries a child that lost its port (``Supervisor.start``). Where that range
     leaves too little room below it, the kernel picks (a bind to port 0).
+    ``$PDSERVE_FREE_PORTS`` narrows the range (``free_port_range``).
     """
-    low, _ = ephemeral_port_range()
+    start, stop = free_port_range()
     sockets: list[socket.socket] = []
     tried: set[int] = set()
     rng = random.Random()
     try:
         while len(sockets) < count:
-            if low - FIXED_PORTS_FROM >= 1000 and len(tried) < PICK_ATTEMPTS:
-                port = rng.randrange(FIXED_PORTS_FROM, low)
+            if stop - start >= 1000 and len(tried) < PICK_ATTEMPTS:
+                port = rng.randrange(start, stop)
                 if port in tried:
                     continue
                 tried.add(port)
@@ -101,6 +105,26 @@ def pick_free_ports(host: str, count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def free_port_range() -> tuple[int, int]:
+    """``[start, stop)`` that ``pick_free_ports`` picks from: ``$PDSERVE_FREE_PORTS`` when set,
+    else from ``FIXED_PORTS_FROM`` up to the kernel's ephemeral range.
+
+    Another process's explicit bind is the one thing that can take a picked port before the
+    child binds it; when that process is a parallel test's engine, our router would talk to
+    *its* model (seen once in CI). Disjoint ranges per test worker rule that out.
+    """
+    value = os.environ.get(FREE_PORTS_ENV, "").strip()
+    if not value:
+        return FIXED_PORTS_FROM, ephemeral_port_range()[0]
+    try:
+        start, stop = (int(field) for field in value.split("-"))
+    except ValueError:
+        raise ValueError(f"${FREE_PORTS_ENV} must be LOW-HIGH (two port numbers), not {value!r}") from None
+    if not 0 < start < stop <= 65536:
+        raise ValueError(f"${FREE_PORTS_ENV}={value!r}: need 0 < LOW < HIGH <= 65536")
+    return start, stop
 
 
 def ephemeral_port_range() -> tuple[int, int]:

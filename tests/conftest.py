@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from pdserve import supervisor
+
 # The suite compares greedy tokens across batch shapes, engines and transformers: exact in fp32,
 # while bf16 rounding can flip a near-tie. So every engine and LLM the tests start computes in
 # fp32 unless a test asks otherwise; bf16 (what --dtype auto picks on a CPU with native bf16)
@@ -15,6 +17,23 @@ os.environ.setdefault("PDSERVE_DTYPE", "float32")
 # default "auto" serves the bundled GGUF's blocks, whose matmuls sum in another order. The
 # quantized modes have their own kernel, quality and engine tests.
 os.environ.setdefault("PDSERVE_QUANTIZATION", "none")
+
+
+def _give_this_worker_its_own_ports() -> None:
+    """Each xdist worker picks its processes' ports from a slice of its own (children inherit
+    the variable): picked free, a port is free only until the child binds it, and a router once
+    reached the other worker's engine of the tiny model through such a port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or supervisor.FREE_PORTS_ENV in os.environ:
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    start, stop = supervisor.free_port_range()
+    width = (stop - start) // max(workers, 1)
+    low = start + int(worker[2:]) * width
+    os.environ[supervisor.FREE_PORTS_ENV] = f"{low}-{low + width}"
+
+
+_give_this_worker_its_own_ports()
 
 
 @pytest.fixture(scope="session")
