@@ -13,6 +13,7 @@ import contextlib
 import email.utils
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -358,7 +359,7 @@ def test_unknown_model_is_404(sdk):
 def _start_router(cluster, tiny_model_dir, *extra: str, decode: str | None = None):
     port, http_port = pick_free_ports("127.0.0.1", 2)
     argv = [
-        sys.executable, "-m", "pdserve", "router", "--port", str(port), "--http-port", str(http_port),
+        sys.executable, "-m", "pdserve", "--log-level", "INFO", "router", "--port", str(port), "--http-port", str(http_port),
         "--model", tiny_model_dir, "--decode", decode or ",".join(cluster.decode_addresses),
         "--prefill", ",".join(cluster.prefill_addresses), "--served-model-name", MODEL, *extra,
     ]  # fmt: skip
@@ -390,6 +391,29 @@ def test_a_full_router_answers_429(cluster, tiny_model_dir, grpc_client):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_router_on_asyncios_loop_streams_what_the_default_uvloop_router_does(cluster, tiny_model_dir, sdk):
+    """``--event-loop asyncio`` (the escape hatch from the default uvloop): the same stream."""
+
+    def streamed(client: openai.OpenAI) -> list[str]:
+        stream = client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0, stream=True
+        )
+        return [chunk.choices[0].text for chunk in stream if chunk.choices]
+
+    proc, url = _start_router(cluster, tiny_model_dir, "--event-loop", "asyncio")
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        time.sleep(2.0)  # its health check has seen the engines
+        on_asyncio = streamed(client)
+        assert "".join(on_asyncio) and "".join(on_asyncio) == "".join(streamed(sdk))
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=10)[0]
+    assert "asyncio event loop)" in log
+    with open(os.path.join(cluster.log_dir, "router.log")) as default_log:
+        assert "uvloop event loop)" in default_log.read()
 
 
 def test_no_engine_to_serve_is_503(cluster, tiny_model_dir):
