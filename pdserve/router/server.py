@@ -289,8 +289,8 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
 
     Every token the router streams is a few trips through the loop (an engine frame read, a
     client chunk written, a task woken); libuv does in C what asyncio's selector loop does in
-    Python, which on two cores shared with the engines was 86-99 against 93-113 us of router CPU
-    a streamed token at 8 streams (docs/performance.md)."""
+    Python, which on two cores shared with the engines was 85-91 against 92-104 us of CPU outside
+    the engines a streamed token at 8 streams (docs/performance.md)."""
     if name == "asyncio":
         return None
     try:
